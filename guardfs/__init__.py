@@ -1,0 +1,38 @@
+"""guardfs: the filesystem boundary of the guard.
+
+Layers, from the pure core outwards:
+
+- :mod:`guardfs.manifest` validates a task's scope manifest (TOML, pydantic);
+- :mod:`guardfs.policy` compiles it into one :class:`~guardfs.policy.Classification` per path;
+- :mod:`guardfs.accounting` and :mod:`guardfs.signature` count what the agent mutates;
+- :mod:`guardfs.decision` is the protocol through which an injected decider (the breaker)
+  judges each operation;
+- :mod:`guardfs.fs`, :mod:`guardfs.inodes` and :mod:`guardfs.backing` are the FUSE
+  passthrough itself; :mod:`guardfs.mount` serves it.
+
+The FUSE layer (which needs libfuse) is imported from :mod:`guardfs.fs` on demand, so the
+manifest tools work on a machine without FUSE. guardfs knows nothing of processes or sockets; ``sandbox`` builds on it, never the reverse.
+"""
+
+from guardfs.decision import Decider, LimitsDecider, Request, Verdict
+from guardfs.errors import GuardfsError, ManifestError, MountError
+from guardfs.events import EventLog
+from guardfs.manifest import Manifest, load_manifest, parse_manifest
+from guardfs.policy import Classification, PathPolicy, Scope
+
+__all__ = [
+    "Classification",
+    "Decider",
+    "EventLog",
+    "GuardfsError",
+    "LimitsDecider",
+    "Manifest",
+    "ManifestError",
+    "MountError",
+    "PathPolicy",
+    "Request",
+    "Scope",
+    "Verdict",
+    "load_manifest",
+    "parse_manifest",
+]

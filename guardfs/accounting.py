@@ -1,0 +1,200 @@
+"""Write accounting: distinct files mutated, rewrites per file and per symbol, content cycles.
+
+Pure bookkeeping: the filesystem asks what a mutation *would* do (``plan_*``), lets the
+decision object judge the plan, performs the operation, and only then commits the plan.
+A refused operation therefore leaves the counters untouched.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+from guardfs.signature import MAX_ANALYSED_BYTES, Change, analyse, content_hash
+
+__all__ = ["FileRecord", "RewritePlan", "WriteAccounting", "WriteSession", "is_scratch_name"]
+
+# Names of temporary files that editors, sed -i and atomic writers create next to the file
+# they save; they are not counted as new files (the rename onto the target is).
+_SCRATCH = re.compile(
+    r"""^(\.?\#.*                # emacs lock / autosave
+        |sed[A-Za-z0-9]{6}         # sed -i
+        |\.?tmp[\w.-]*             # tmpXXXX, .tmpXXXX
+        |4913)$                    # vim's write probe
+      |(\.swp|\.swx|\.tmp|\.part|~)$
+      |\.tmp\.                     # name.tmp.<pid>.<time> (Claude Code, write-file-atomic)
+    """,
+    re.VERBOSE,
+)
+
+
+def is_scratch_name(path: str) -> bool:
+    """Whether *path* looks like an editor's or atomic writer's temporary file."""
+    return _SCRATCH.search(path.rsplit("/", 1)[-1]) is not None
+
+
+@dataclass(slots=True)
+class FileRecord:
+    """What this run has done to one counted file."""
+
+    created: bool = False  # did not exist before this run touched it
+    rewrites: int = 0
+    symbols: Counter[str] = field(default_factory=Counter)
+    regions: list[list[int]] = field(default_factory=list)  # [first, last, count]
+    hashes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class RewritePlan:
+    """One rewrite of *path*: the counts each unit would reach, and any content cycle."""
+
+    path: str
+    counts: dict[str, int]  # "symbol f" / "lines 3-9" / "file" -> count after this rewrite
+    new_hash: str | None
+    cycle: bool  # content returns to an earlier version other than the current one
+    change: Change | None
+
+    @property
+    def peak(self) -> tuple[str, int] | None:
+        """The unit with the highest count after this rewrite."""
+        return max(self.counts.items(), key=lambda kv: kv[1]) if self.counts else None
+
+
+class WriteSession:
+    """One open-for-write of a counted file: its pre-image and a shadow of its content."""
+
+    __slots__ = ("dirty", "old", "path", "shadow")
+
+    def __init__(self, path: str, old: bytes | None, truncated: bool) -> None:
+        self.path = path
+        self.old = old  # None: too large or unreadable to analyse
+        self.shadow: bytearray | None = None if old is None else bytearray(b"" if truncated else old)
+        self.dirty = truncated
+
+    def apply_write(self, offset: int, data: bytes) -> None:
+        """Mirror a write into the shadow (dropped once it grows past the analysis cap)."""
+        self.dirty = True
+        s = self.shadow
+        if s is None:
+            return
+        end = offset + len(data)
+        if end > MAX_ANALYSED_BYTES:
+            self.shadow = None
+            return
+        if offset > len(s):
+            s.extend(b"\0" * (offset - len(s)))
+        s[offset:end] = data
+
+    def apply_truncate(self, size: int) -> None:
+        """Mirror a truncate into the shadow."""
+        self.dirty = True
+        s = self.shadow
+        if s is None:
+            return
+        if size > MAX_ANALYSED_BYTES:
+            self.shadow = None
+        elif size <= len(s):
+            del s[size:]
+        else:
+            s.extend(b"\0" * (size - len(s)))
+
+
+class WriteAccounting:
+    """Counters for the files an agent mutates during one run."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, FileRecord] = {}
+
+    @property
+    def distinct(self) -> int:
+        """Number of distinct counted files mutated so far."""
+        return len(self.files)
+
+    def is_new(self, path: str) -> bool:
+        """Whether mutating *path* would add a file to the blast radius."""
+        return path not in self.files and not is_scratch_name(path)
+
+    def touch(self, path: str, created: bool = False) -> None:
+        """Record a mutation of *path* that is not a content rewrite (create, chmod, unlink)."""
+        if path in self.files or is_scratch_name(path):
+            return
+        self.files[path] = FileRecord(created=created)
+
+    def plan_rewrite(self, path: str, old: bytes | None, new: bytes | None) -> RewritePlan:
+        """What rewriting *path* from *old* to *new* would count (nothing is recorded)."""
+        rec = self.files.get(path) or FileRecord(created=old is None)
+        counts: dict[str, int] = {}
+        change = None
+        if new is not None and len(new) <= MAX_ANALYSED_BYTES and (old is None or len(old) <= MAX_ANALYSED_BYTES):
+            change = analyse(path, old or b"", new)
+            for sym in change.symbols:
+                counts[f"symbol {sym}"] = rec.symbols[sym] + 1
+            for lo, hi in change.regions:
+                slot = _region_slot(rec.regions, lo, hi)
+                counts[f"lines {lo}-{hi}"] = (rec.regions[slot][2] if slot is not None else 0) + 1
+        else:  # too large to analyse: the whole file is the unit
+            counts["file"] = rec.rewrites + 1
+        new_hash = content_hash(new) if new is not None else None
+        history = rec.hashes or ([content_hash(old)] if old is not None else [])
+        cycle = new_hash is not None and new_hash in history[:-1] and new_hash != history[-1]
+        return RewritePlan(path, counts, new_hash, cycle, change)
+
+    def commit_rewrite(self, plan: RewritePlan, old: bytes | None) -> None:
+        """Record a rewrite that was allowed and performed."""
+        rec = self.files.get(plan.path)
+        if rec is None:
+            rec = self.files[plan.path] = FileRecord(created=old is None)
+        if old is not None and not rec.hashes:
+            rec.hashes.append(content_hash(old))
+        rec.rewrites += 1
+        if plan.change is not None:
+            for sym in plan.change.symbols:
+                rec.symbols[sym] += 1
+            for lo, hi in plan.change.regions:
+                slot = _region_slot(rec.regions, lo, hi)
+                if slot is None:
+                    rec.regions.append([lo, hi, 1])
+                else:
+                    r = rec.regions[slot]
+                    r[0], r[1], r[2] = min(r[0], lo), max(r[1], hi), r[2] + 1
+        if plan.new_hash is not None:
+            rec.hashes.append(plan.new_hash)
+
+    def forget_scratch(self, path: str) -> None:
+        """Drop a file that was only a step of an atomic save (renamed onto its target)."""
+        rec = self.files.get(path)
+        if rec is not None and rec.created:
+            del self.files[path]
+
+    def move(self, src: str, dst: str) -> None:
+        """Records at or below *src* now live at *dst* (a rename that carried them)."""
+        prefix = src + "/"
+        for path in [p for p in self.files if p == src or p.startswith(prefix)]:
+            self.files[dst + path[len(src):]] = self.files.pop(path)
+
+    def hot(self, path: str, limit: int) -> bool:
+        """Whether one more rewrite of *path* could exceed *limit* for some unit."""
+        rec = self.files.get(path)
+        if rec is None:
+            return False
+        if rec.rewrites >= limit and not rec.symbols and not rec.regions:
+            return True
+        return any(n >= limit for n in rec.symbols.values()) or any(r[2] >= limit for r in rec.regions)
+
+    def summary(self) -> dict[str, object]:
+        """Counters for the ledger and the closing summary."""
+        return {
+            "distinct_files": self.distinct,
+            "files": {
+                p: {"rewrites": r.rewrites, "created": r.created, "symbols": dict(r.symbols)}
+                for p, r in sorted(self.files.items())
+            },
+        }
+
+
+def _region_slot(regions: list[list[int]], lo: int, hi: int) -> int | None:
+    for i, (a, b, _n) in enumerate(regions):
+        if lo <= b and a <= hi:
+            return i
+    return None

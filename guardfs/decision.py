@@ -1,0 +1,135 @@
+"""The decision protocol: guardfs asks, an injected decider answers.
+
+guardfs computes the policy's own verdict for every checked operation and hands it, with
+the request, to a :class:`Decider`. The decider may only tighten that verdict: a policy
+denial stands whatever it answers. Without a breaker attached, :class:`LimitsDecider`
+enforces ``limits.max_files`` and ``limits.max_rewrites`` from the manifest.
+"""
+
+from __future__ import annotations
+
+import errno
+from dataclasses import dataclass
+from typing import Protocol
+
+from guardfs.accounting import RewritePlan, WriteAccounting
+from guardfs.manifest import Limits
+from guardfs.policy import Classification, Scope
+
+__all__ = [
+    "ALLOW",
+    "ERRNO_FORBIDDEN",
+    "ERRNO_LIMIT",
+    "ERRNO_READ_ONLY",
+    "Decider",
+    "LimitsDecider",
+    "Request",
+    "Verdict",
+    "policy_verdict",
+]
+
+#: A forbidden path, read or written.
+ERRNO_FORBIDDEN = errno.EACCES
+#: A mutation outside ``paths.allowed`` or of a protected path.
+ERRNO_READ_ONLY = errno.EROFS
+#: A mutation refused by a limit (blast radius, rewrites) or a tripped breaker.
+ERRNO_LIMIT = errno.EDQUOT
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One operation to judge: what, on which path(s), and what it would count."""
+
+    op: str
+    path: str
+    where: Classification
+    mutating: bool
+    target: str | None = None  # rename/link destination
+    target_where: Classification | None = None
+    new_files: tuple[str, ...] = ()  # paths this would add to the blast radius
+    rewrite: RewritePlan | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """allow, or deny with the errno and the rule (manifest key and pattern) that decided."""
+
+    allow: bool
+    rule: str = ""
+    pattern: str | None = None
+    errno: int = 0
+    reason: str = ""
+
+
+ALLOW = Verdict(True)
+
+
+class Decider(Protocol):
+    """What guardfs asks about every checked operation. Implementations must be fast."""
+
+    def decide(self, request: Request, policy: Verdict) -> Verdict:
+        """Return the final verdict; a policy denial must stay a denial."""
+        ...
+
+    def committed(self, request: Request) -> None:
+        """An allowed mutation was performed (counters may move on)."""
+        ...
+
+
+def _deny(where: Classification, err: int, reason: str) -> Verdict:
+    return Verdict(False, where.key, where.pattern, err, reason)
+
+
+def policy_verdict(request: Request) -> Verdict:
+    """The manifest's and the built-ins' verdict on *request*, before any limit."""
+    checks = [(request.path, request.where)]
+    if request.target is not None and request.target_where is not None:
+        checks.append((request.target, request.target_where))
+    for path, where in checks:
+        if where.scope is Scope.FORBIDDEN:
+            return _deny(where, ERRNO_FORBIDDEN, f"{path} is forbidden by {where.describe()}")
+    if not request.mutating:
+        return ALLOW
+    for path, where in checks:
+        if where.scope is Scope.PROTECTED:
+            return _deny(where, ERRNO_READ_ONLY, f"{path} is read-only: {where.describe()}")
+        if where.scope is Scope.OUT_OF_SCOPE:
+            return _deny(
+                where, ERRNO_READ_ONLY, f"{path} is outside the task's scope ({where.describe()})"
+            )
+    return ALLOW
+
+
+class LimitsDecider:
+    """The default decider: the manifest's blast-radius and rewrite limits, nothing more."""
+
+    def __init__(self, limits: Limits, accounting: WriteAccounting) -> None:
+        self.limits = limits
+        self.accounting = accounting
+
+    def decide(self, request: Request, policy: Verdict) -> Verdict:
+        """Apply ``max_files`` and ``max_rewrites`` to an allowed mutation."""
+        if not policy.allow or not request.mutating:
+            return policy
+        max_files = self.limits.max_files
+        if max_files is not None and request.new_files:
+            after = self.accounting.distinct + len(request.new_files)
+            if after > max_files:
+                return Verdict(
+                    False, "limits.max_files", None, ERRNO_LIMIT,
+                    f"{request.new_files[0]} would be distinct file {after} of max_files={max_files}",
+                )
+        max_rewrites = self.limits.max_rewrites
+        plan = request.rewrite
+        if max_rewrites is not None and plan is not None and (peak := plan.peak) is not None:
+            unit, count = peak
+            if count > max_rewrites:
+                return Verdict(
+                    False, "limits.max_rewrites", None, ERRNO_LIMIT,
+                    f"{plan.path}: {unit} would be mutated {count} times "
+                    f"(max_rewrites={max_rewrites}); this looks like oscillation",
+                )
+        return policy
+
+    def committed(self, request: Request) -> None:
+        """Nothing to do: the accounting is committed by the filesystem."""

@@ -1,0 +1,806 @@
+"""The policing passthrough: one async method per FUSE request.
+
+Every request is resolved against the backing directory through :class:`Backing` (a held
+directory fd, ``openat2`` without symlinks) and checked against the inode's cached
+classification. Mutations are judged by :func:`policy_verdict` and the injected
+:class:`Decider` *before* anything reaches the disk; a denial raises ``FUSEError`` with the
+documented errno and leaves an event. Only ``FUSEError`` leaves a handler: ``OSError`` is
+mapped in :func:`_fuse_errors`; anything else is a bug and crashes the server, which
+unmounts (the mount fails closed).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import logging
+import os
+import stat
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
+
+import pyfuse3
+import trio
+from pyfuse3 import FUSEError
+
+from guardfs.accounting import WriteAccounting, WriteSession
+from guardfs.backing import Backing
+from guardfs.decision import (
+    Decider,
+    LimitsDecider,
+    Request,
+    Verdict,
+    policy_verdict,
+)
+from guardfs.events import EventLog
+from guardfs.inodes import Entry, InodeTable
+from guardfs.manifest import Manifest
+from guardfs.policy import Classification, PathPolicy, Scope
+from guardfs.signature import MAX_ANALYSED_BYTES
+
+__all__ = ["UNSUPPORTED", "GuardFS"]
+
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: FUSE operations guardfs does not implement, with the errno the kernel gets.
+UNSUPPORTED: dict[str, int] = {
+    "poll": errno.ENOSYS,  # the kernel falls back to its default poll: always ready
+    "mknod (block/char device)": errno.EPERM,  # no device nodes in a workspace
+}
+
+_libc = ctypes.CDLL(None, use_errno=True)
+# Operations whose new_files did not exist before.
+_CREATING = frozenset({"create", "mknod", "symlink"})
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC
+# Flags the kernel handles itself or that would make our own I/O fail.
+_STRIP_FLAGS = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
+
+
+def _fuse_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """Map OSError to FUSEError in one place; anything else propagates (a bug)."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await fn(*args, **kwargs)
+        except OSError as err:
+            raise FUSEError(err.errno or errno.EIO) from err
+
+    return wrapper
+
+
+def _join(parent: str, name: str) -> str:
+    return f"{parent}/{name}" if parent else name
+
+
+def _renameat2(olddir: int, old: str, newdir: int, new: str, flags: int) -> None:
+    if _libc.renameat2(olddir, os.fsencode(old), newdir, os.fsencode(new), flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), old)
+
+
+@dataclass(slots=True, eq=False)
+class _File:
+    """An open file: the backing fd (also the FUSE handle) and its write session."""
+
+    fd: int
+    entry: Entry
+    writable: bool
+    session: WriteSession | None = None
+    dirty: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Dir:
+    """An open directory and its listing, taken at the first readdir."""
+
+    fd: int
+    entry: Entry
+    listing: list[tuple[str, os.stat_result, Classification]] | None = field(default=None)
+
+
+class GuardFS(pyfuse3.Operations):
+    """A passthrough filesystem that enforces a scope manifest on every operation."""
+
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+
+    def __init__(
+        self,
+        backing: str,
+        manifest: Manifest,
+        events: EventLog,
+        decider: Decider | None = None,
+        cache_timeout: float = 60.0,
+    ) -> None:
+        super().__init__()
+        self.backing = Backing(backing)
+        self.policy = PathPolicy(manifest)
+        root = os.stat(self.backing.root_fd)
+        self._root_dev = root.st_dev
+        self.inodes = InodeTable(self.policy, root.st_ino)
+        self.accounting = WriteAccounting()
+        self.decider: Decider = decider or LimitsDecider(manifest.limits, self.accounting)
+        self.events = events
+        self.limits = manifest.limits
+        self.timeout = cache_timeout
+        self._files: dict[int, _File] = {}
+        self._dirs: dict[int, _Dir] = {}
+        self._next_dir = 1
+        self._as_root = os.geteuid() == 0
+
+    def close(self) -> None:
+        """Close every fd this filesystem holds (after the mount is gone)."""
+        for f in self._files.values():
+            os.close(f.fd)
+        for d in self._dirs.values():
+            os.close(d.fd)
+        self._files.clear()
+        self._dirs.clear()
+        self.backing.close()
+
+    # ----- helpers -------------------------------------------------------------------
+
+    def _entry(self, ino: int) -> Entry:
+        entry = self.inodes.get(ino)
+        if entry is None:
+            raise FUSEError(errno.ESTALE)
+        return entry
+
+    def _attr(self, st: os.stat_result, ino: int) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = pyfuse3.InodeT(ino)
+        attr.generation = 0
+        attr.entry_timeout = self.timeout
+        attr.attr_timeout = self.timeout
+        attr.st_mode = pyfuse3.ModeT(st.st_mode)
+        attr.st_nlink = st.st_nlink
+        attr.st_uid = st.st_uid
+        attr.st_gid = st.st_gid
+        attr.st_rdev = st.st_rdev
+        attr.st_size = st.st_size
+        attr.st_blksize = st.st_blksize
+        attr.st_blocks = st.st_blocks
+        attr.st_atime_ns = st.st_atime_ns
+        attr.st_mtime_ns = st.st_mtime_ns
+        attr.st_ctime_ns = st.st_ctime_ns
+        return attr
+
+    def _stat(self, entry: Entry) -> os.stat_result:
+        """Current attributes of *entry*, refusing a path that now names another inode."""
+        for fd in entry.handles:
+            return os.fstat(fd)
+        st = self.backing.lstat(entry.path)
+        if st.st_ino != entry.backing_ino:
+            raise FUSEError(errno.ENOENT)  # unlinked; the name is another file's now
+        return st
+
+    def _child(self, parent_ino: int, name: bytes) -> tuple[Entry, str]:
+        parent = self._entry(parent_ino)
+        n = os.fsdecode(name)
+        if "/" in n or n in (".", ".."):
+            raise FUSEError(errno.EINVAL)
+        return parent, _join(parent.path, n)
+
+    def _where(self, path: str, st: os.stat_result | None, is_dir: bool) -> Classification:
+        """Classification of *path*, with an existing .git/config made read-only."""
+        if st is None:
+            where = self.policy.classify(path, is_dir)
+        else:
+            where = self.inodes.classify(st.st_ino, stat.S_ISDIR(st.st_mode), path)
+        if where.scope is Scope.GIT_CONFIG:
+            scope = Scope.PROTECTED if st is not None else Scope.GIT_INTERNAL
+            return Classification(scope, where.key, where.pattern)
+        return where
+
+    def _lstat_or_none(self, path: str) -> os.stat_result | None:
+        try:
+            return self.backing.lstat(path)
+        except FileNotFoundError:
+            return None
+
+    def _new_files(self, *candidates: tuple[str, Classification]) -> tuple[str, ...]:
+        acct = self.accounting
+        return tuple(p for p, w in candidates if w.scope.counted and acct.is_new(p))
+
+    def _check(self, request: Request) -> None:
+        """Judge *request*; on denial record the event and raise its errno."""
+        policy = policy_verdict(request)
+        verdict = self.decider.decide(request, policy)
+        if not policy.allow and verdict.allow:
+            verdict = policy  # a decider may tighten the policy, never loosen it
+        if not verdict.allow:
+            self._deny(request, verdict)
+
+    def _deny(self, request: Request, verdict: Verdict) -> None:
+        self.events.emit(
+            request.op,
+            request.path,
+            "deny",
+            target=request.target,
+            rule=verdict.rule,
+            pattern=verdict.pattern,
+            errno=errno.errorcode.get(verdict.errno, str(verdict.errno)),
+            reason=verdict.reason,
+        )
+        log.info("denied %s %s: %s", request.op, request.path, verdict.reason)
+        raise FUSEError(verdict.errno)
+
+    def _done(self, request: Request, **detail: Any) -> None:
+        """Record an allowed, performed mutation."""
+        before = self.accounting.distinct
+        created = request.op in _CREATING
+        for path in request.new_files:
+            self.accounting.touch(path, created=created or path == request.target)
+        self.events.emit(
+            request.op, request.path, "allow", target=request.target, rule=request.where.key, **detail
+        )
+        self.decider.committed(request)
+        limit = self.limits.max_files
+        if limit is not None and before < limit <= self.accounting.distinct:
+            self.events.emit(
+                "limit", request.path, "allow", rule="limits.max_files",
+                reason=f"{self.accounting.distinct} of max_files={limit} distinct files mutated",
+            )
+
+    def _mutation(self, op: str, path: str, where: Classification, counts: bool = True) -> Request:
+        new_files = self._new_files((path, where)) if counts else ()
+        request = Request(op, path, where, True, new_files=new_files)
+        self._check(request)
+        return request
+
+    def _chown_new(self, name: str, dir_fd: int, ctx: pyfuse3.RequestContext) -> None:
+        if self._as_root and (ctx.uid, ctx.gid) != (0, 0):
+            os.chown(name, ctx.uid, ctx.gid, dir_fd=dir_fd, follow_symlinks=False)
+
+    def _created(
+        self, op: str, path: str, where: Classification, ctx: pyfuse3.RequestContext,
+        make: Callable[[int, str], None],
+    ) -> pyfuse3.EntryAttributes:
+        """Judge, create with *make(dir_fd, name)*, and hand the new entry to the kernel."""
+        request = self._mutation(op, path, where, counts=op != "mkdir")
+        dir_fd, name = self.backing.parent(path)
+        make(dir_fd, name)
+        self._chown_new(name, dir_fd, ctx)
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        entry = self.inodes.remember(st.st_ino, st.st_mode, path, where)
+        self._done(request)
+        return self._attr(st, entry.ino)
+
+    # ----- lookups and attributes ----------------------------------------------------
+
+    @_fuse_errors
+    async def lookup(
+        self, parent_inode: pyfuse3.InodeT, name: pyfuse3.FileNameT, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        """Resolve *name*; a forbidden one is refused with EACCES, an absent one cached."""
+        parent = self._entry(parent_inode)
+        n = os.fsdecode(name)
+        if n == ".":
+            path = parent.path
+        elif n == "..":
+            path = parent.path.rpartition("/")[0]
+        else:
+            path = _join(parent.path, n)
+        try:
+            st = self.backing.lstat(path)
+        except FileNotFoundError:
+            attr = pyfuse3.EntryAttributes()
+            attr.st_ino = pyfuse3.InodeT(0)
+            attr.entry_timeout = self.timeout
+            return attr
+        if st.st_dev != self._root_dev:
+            raise FUSEError(errno.EXDEV)  # another filesystem mounted inside the workspace
+        where = self.inodes.classify(st.st_ino, stat.S_ISDIR(st.st_mode), path)
+        if where.scope is Scope.FORBIDDEN:
+            self._check(Request("lookup", path, where, False))
+        entry = self.inodes.remember(st.st_ino, st.st_mode, path, where)
+        return self._attr(st, entry.ino)
+
+    async def forget(self, inode_list: Sequence[tuple[pyfuse3.InodeT, int]]) -> None:
+        """Drop the kernel's references."""
+        for ino, n in inode_list:
+            self.inodes.forget(ino, n)
+
+    @_fuse_errors
+    async def getattr(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        """Attributes of a known inode."""
+        return self._attr(self._stat(self._entry(inode)), inode)
+
+    @_fuse_errors
+    async def setattr(
+        self,
+        inode: pyfuse3.InodeT,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: pyfuse3.FileHandleT | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        """chmod, chown, truncate and utimes, each a mutation judged before it lands."""
+        entry = self._entry(inode)
+        handle = self._files.get(fh) if fh is not None else None
+        st = self._stat(entry)
+        path = entry.path
+        if fields.update_size:
+            op = "truncate"
+        elif fields.update_mode:
+            op = "chmod"
+        elif fields.update_uid or fields.update_gid:
+            op = "chown"
+        else:
+            op = "utimes"
+        where = self._where(path, st, entry.is_dir)
+        request = self._mutation(op, path, where)
+        if fields.update_size:
+            if handle is not None and handle.writable:
+                os.ftruncate(handle.fd, attr.st_size)
+                if handle.session is not None:
+                    handle.session.apply_truncate(attr.st_size)
+                handle.dirty = True
+            else:
+                fd = self.backing.open(path, os.O_WRONLY)
+                try:
+                    os.ftruncate(fd, attr.st_size)
+                finally:
+                    os.close(fd)
+        if fields.update_mode:
+            if stat.S_ISLNK(st.st_mode):
+                raise FUSEError(errno.EOPNOTSUPP)
+            fd, proc = self.backing.proc_path(path)
+            try:
+                os.chmod(proc, stat.S_IMODE(attr.st_mode))
+            finally:
+                os.close(fd)
+        if path == "":
+            raise FUSEError(errno.EROFS)  # unreachable: the root is never in scope
+        dir_fd, name = self.backing.parent(path)
+        if fields.update_uid or fields.update_gid:
+            uid = attr.st_uid if fields.update_uid else -1
+            gid = attr.st_gid if fields.update_gid else -1
+            os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
+        if fields.update_atime or fields.update_mtime:
+            atime = attr.st_atime_ns if fields.update_atime else st.st_atime_ns
+            mtime = attr.st_mtime_ns if fields.update_mtime else st.st_mtime_ns
+            os.utime(name, ns=(atime, mtime), dir_fd=dir_fd, follow_symlinks=False)
+        self._done(request)
+        return self._attr(self._stat(entry), inode)
+
+    @_fuse_errors
+    async def readlink(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.FileNameT:
+        """The target of a symlink, as stored; the kernel resolves it inside the mount."""
+        entry = self._entry(inode)
+        dir_fd, name = self.backing.parent(entry.path)
+        return pyfuse3.FileNameT(os.fsencode(os.readlink(name, dir_fd=dir_fd)))
+
+    # ----- creating and removing names ---------------------------------------------
+
+    @_fuse_errors
+    async def mknod(
+        self, parent_inode: pyfuse3.InodeT, name: pyfuse3.FileNameT, mode: pyfuse3.ModeT,
+        rdev: int, ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        """FIFOs, sockets and empty regular files; never device nodes."""
+        if stat.S_ISBLK(mode) or stat.S_ISCHR(mode):
+            raise FUSEError(UNSUPPORTED["mknod (block/char device)"])
+        _, path = self._child(parent_inode, name)
+        where = self._where(path, None, False)
+        return self._created(
+            "mknod", path, where, ctx, lambda d, n: os.mknod(n, mode, 0, dir_fd=d)
+        )
+
+    @_fuse_errors
+    async def mkdir(
+        self, parent_inode: pyfuse3.InodeT, name: pyfuse3.FileNameT, mode: pyfuse3.ModeT,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        """Create a directory (directories do not count toward the blast radius)."""
+        _, path = self._child(parent_inode, name)
+        where = self._where(path, None, True)
+        return self._created("mkdir", path, where, ctx, lambda d, n: os.mkdir(n, mode, dir_fd=d))
+
+    @_fuse_errors
+    async def symlink(
+        self, parent_inode: pyfuse3.InodeT, name: pyfuse3.FileNameT, target: pyfuse3.FileNameT,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        """Create a symlink; only its own name is judged, the kernel judges what it reaches."""
+        _, path = self._child(parent_inode, name)
+        where = self._where(path, None, False)
+        return self._created(
+            "symlink", path, where, ctx, lambda d, n: os.symlink(os.fsdecode(target), n, dir_fd=d)
+        )
+
+    @_fuse_errors
+    async def link(
+        self, inode: pyfuse3.InodeT, new_parent_inode: pyfuse3.InodeT,
+        new_name: pyfuse3.FileNameT, ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        """Hard link: both names must be writable, so no file is linked into or out of scope."""
+        entry = self._entry(inode)
+        _, path = self._child(new_parent_inode, new_name)
+        st = self._stat(entry)
+        where = self._where(entry.path, st, entry.is_dir)
+        target_where = self._where(path, None, False)
+        request = Request(
+            "link", entry.path, where, True, target=path, target_where=target_where,
+            new_files=self._new_files((path, target_where)),
+        )
+        self._check(request)
+        src_dir, src_name = self.backing.parent(entry.path)
+        dst_dir, dst_name = self.backing.parent(path)
+        os.link(src_name, dst_name, src_dir_fd=src_dir, dst_dir_fd=dst_dir, follow_symlinks=False)
+        st = os.stat(dst_name, dir_fd=dst_dir, follow_symlinks=False)
+        entry = self.inodes.remember(st.st_ino, st.st_mode, path, target_where)
+        self._done(request)
+        return self._attr(st, entry.ino)
+
+    @_fuse_errors
+    async def unlink(
+        self, parent_inode: pyfuse3.InodeT, name: pyfuse3.FileNameT, ctx: pyfuse3.RequestContext
+    ) -> None:
+        """Remove a file name."""
+        _, path = self._child(parent_inode, name)
+        st = self.backing.lstat(path)
+        request = self._mutation("unlink", path, self._where(path, st, False))
+        dir_fd, n = self.backing.parent(path)
+        os.unlink(n, dir_fd=dir_fd)
+        self._done(request)
+
+    @_fuse_errors
+    async def rmdir(
+        self, parent_inode: pyfuse3.InodeT, name: pyfuse3.FileNameT, ctx: pyfuse3.RequestContext
+    ) -> None:
+        """Remove an empty directory."""
+        _, path = self._child(parent_inode, name)
+        st = self.backing.lstat(path)
+        request = self._mutation("rmdir", path, self._where(path, st, True), counts=False)
+        dir_fd, n = self.backing.parent(path)
+        os.rmdir(n, dir_fd=dir_fd)
+        self.backing.forget_dirs()
+        self._done(request)
+
+    @_fuse_errors
+    async def rename(
+        self, parent_inode_old: pyfuse3.InodeT, name_old: pyfuse3.FileNameT,
+        parent_inode_new: pyfuse3.InodeT, name_new: pyfuse3.FileNameT,
+        flags: pyfuse3.FlagT, ctx: pyfuse3.RequestContext,
+    ) -> None:
+        """Rename, judged at both ends and, for a directory, for everything it carries."""
+        _, src = self._child(parent_inode_old, name_old)
+        _, dst = self._child(parent_inode_new, name_new)
+        src_st = self.backing.lstat(src)
+        dst_st = self._lstat_or_none(dst)
+        src_dir = stat.S_ISDIR(src_st.st_mode)
+        exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
+        src_where = self._where(src, src_st, src_dir)
+        # What the destination name becomes: the moving object's kind decides dir patterns.
+        dst_where = self._where(dst, dst_st, src_dir)
+        acct = self.accounting
+        src_rec = acct.files.get(src)
+        src_is_new = src_rec is not None and src_rec.created
+        counted = [] if src_dir else [(src, src_where), (dst, dst_where)]
+        plan, old = None, None
+        replacing = dst_st is not None and not exchange and stat.S_ISREG(dst_st.st_mode)
+        if replacing and dst_where.scope.counted and stat.S_ISREG(src_st.st_mode):
+            assert dst_st is not None
+            # An atomic save: one rewrite of the target, judged on the content it brings.
+            old = self._read_small(dst, dst_st)
+            plan = acct.plan_rewrite(dst, old, self._read_small(src, src_st))
+            counted = [] if src_rec is None or src_is_new else [(src, src_where)]
+        elif src_is_new and not exchange:
+            counted = []  # a file this run created moves on; its record moves with it
+        request = Request(
+            "rename", src, src_where, True, target=dst, target_where=dst_where,
+            new_files=self._new_files(*counted), rewrite=plan,
+        )
+        if src_dir or (exchange and dst_st is not None and stat.S_ISDIR(dst_st.st_mode)):
+            self._check_carried(request, src, dst)
+            if exchange:
+                self._check_carried(request, dst, src)
+        self._check(request)
+        old_dir, old_name = self.backing.parent(src)
+        new_dir, new_name = self.backing.parent(dst)
+        if flags:
+            _renameat2(old_dir, old_name, new_dir, new_name, flags)
+        else:
+            os.rename(old_name, new_name, src_dir_fd=old_dir, dst_dir_fd=new_dir)
+        if exchange:
+            self.inodes.exchanged(src, dst)
+        else:
+            self.inodes.moved(self.inodes.get(self.inodes.fuse_ino(src_st.st_ino)), src, dst)
+        if src_dir or (dst_st is not None and stat.S_ISDIR(dst_st.st_mode)):
+            self.backing.forget_dirs()
+        if plan is not None:
+            acct.commit_rewrite(plan, old)
+            acct.forget_scratch(src)
+        elif not exchange and (src_dir or src_is_new):
+            acct.move(src, dst)
+        self._done(request, **self._plan_detail(plan))
+
+    def _check_carried(self, request: Request, src: str, dst: str) -> None:
+        """Refuse moving a directory that holds a forbidden or protected path, or would
+        put something of it under one."""
+        dir_fd, name = self.backing.parent(src)
+        for root, dirs, files, _fd in os.fwalk(name, dir_fd=dir_fd, follow_symlinks=False):
+            rel = root[len(name):].lstrip("/")
+            for n, is_dir in [(d, True) for d in dirs] + [(f, False) for f in files]:
+                sub = f"{rel}/{n}" if rel else n
+                for path in (f"{src}/{sub}", f"{dst}/{sub}"):
+                    where = self.policy.classify(path, is_dir)
+                    if where.scope in (Scope.FORBIDDEN, Scope.PROTECTED, Scope.GIT_CONFIG):
+                        err = errno.EACCES if where.scope is Scope.FORBIDDEN else errno.EROFS
+                        self._deny(request, Verdict(
+                            False, where.key, where.pattern, err,
+                            f"moving {src} to {dst} would carry {path} ({where.describe()})",
+                        ))
+
+    def _read_small(self, path: str, st: os.stat_result) -> bytes | None:
+        """Content of a file small enough to analyse, else None."""
+        if st.st_size > MAX_ANALYSED_BYTES:
+            return None
+        fd = self.backing.open(path, os.O_RDONLY)
+        try:
+            return os.pread(fd, MAX_ANALYSED_BYTES + 1, 0)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _plan_detail(plan: Any) -> dict[str, Any]:
+        if plan is None:
+            return {}
+        return {"units": plan.counts, "cycle": plan.cycle or None}
+
+    # ----- files ---------------------------------------------------------------------
+
+    @_fuse_errors
+    async def open(self, inode: pyfuse3.InodeT, flags: pyfuse3.FlagT, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        """Open a file; opening for write outside scope is refused here."""
+        entry = self._entry(inode)
+        writable = bool(flags & _WRITE_FLAGS)
+        where = entry.where
+        if where.scope is Scope.GIT_CONFIG or (writable and where.scope is not Scope.ALLOWED):
+            where = self._where(entry.path, self._stat(entry), entry.is_dir)
+        if where.scope is Scope.FORBIDDEN or writable:
+            self._check(Request("open", entry.path, where, writable))
+        fd = self.backing.open(entry.path, flags & ~_STRIP_FLAGS)
+        st = os.fstat(fd)
+        if st.st_ino != entry.backing_ino:
+            os.close(fd)
+            raise FUSEError(errno.ESTALE)
+        session = None
+        if writable and where.scope.counted:
+            old = None
+            if st.st_size <= MAX_ANALYSED_BYTES and flags & os.O_ACCMODE == os.O_RDWR:
+                old = os.pread(fd, MAX_ANALYSED_BYTES + 1, 0)
+            elif st.st_size <= MAX_ANALYSED_BYTES:
+                old = self._read_small(entry.path, st)
+            session = WriteSession(entry.path, old, truncated=False)
+        self._files[fd] = _File(fd, entry, writable, session)
+        entry.handles.add(fd)
+        return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fd), keep_cache=True)
+
+    @_fuse_errors
+    async def create(
+        self, parent_inode: pyfuse3.InodeT, name: pyfuse3.FileNameT, mode: pyfuse3.ModeT,
+        flags: pyfuse3.FlagT, ctx: pyfuse3.RequestContext,
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        """Create and open a new file."""
+        _, path = self._child(parent_inode, name)
+        where = self._where(path, None, False)
+        request = self._mutation("create", path, where)
+        dir_fd, n = self.backing.parent(path)
+        fd = os.open(n, (flags & ~_STRIP_FLAGS) | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+        try:
+            if self._as_root and (ctx.uid, ctx.gid) != (0, 0):
+                os.fchown(fd, ctx.uid, ctx.gid)
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        entry = self.inodes.remember(st.st_ino, st.st_mode, path, where)
+        session = WriteSession(path, b"", truncated=True) if where.scope.counted else None
+        self._files[fd] = _File(fd, entry, True, session, dirty=True)
+        entry.handles.add(fd)
+        self._done(request)
+        return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fd), keep_cache=True), self._attr(st, entry.ino)
+
+    @_fuse_errors
+    async def read(self, fh: pyfuse3.FileHandleT, off: int, size: int) -> bytes:
+        """Read from the backing file (counted, not logged)."""
+        self.events.counts["read"] += 1
+        return os.pread(fh, size, off)
+
+    @_fuse_errors
+    async def write(self, fh: pyfuse3.FileHandleT, off: int, buf: bytes) -> int:
+        """Write; the first write of a session and any write that could oscillate are judged."""
+        f = self._files[fh]
+        session = f.session
+        if session is not None:
+            limit = self.limits.max_rewrites
+            first = not f.dirty
+            hot = limit is not None and self.accounting.hot(session.path, limit)
+            if first or hot:
+                request = Request(
+                    "write", session.path, f.entry.where, True,
+                    new_files=self._new_files((session.path, f.entry.where)),
+                    rewrite=self._preview(session, off, buf) if hot else None,
+                )
+                self._check(request)
+                if first:
+                    self._done(request)
+            session.apply_write(off, buf)
+        elif not f.dirty:
+            self.events.emit("write", f.entry.path, "allow", rule=f.entry.where.key)
+        f.dirty = True
+        return os.pwrite(fh, buf, off)
+
+    def _preview(self, session: WriteSession, off: int, buf: bytes) -> Any:
+        if session.shadow is None:
+            return None
+        probe = WriteSession(session.path, bytes(session.shadow), truncated=False)
+        probe.apply_write(off, buf)
+        if probe.shadow is None:
+            return None
+        return self.accounting.plan_rewrite(session.path, session.old, bytes(probe.shadow))
+
+    @_fuse_errors
+    async def flush(self, fh: pyfuse3.FileHandleT) -> None:
+        """close() of one descriptor: nothing to do, data is written through."""
+
+    @_fuse_errors
+    async def release(self, fh: pyfuse3.FileHandleT) -> None:
+        """Last close: account the write session and close the backing fd."""
+        f = self._files.pop(fh)
+        try:
+            session = f.session
+            if session is not None and f.dirty and f.writable:
+                new = bytes(session.shadow) if session.shadow is not None else None
+                plan = self.accounting.plan_rewrite(session.path, session.old, new)
+                self.accounting.commit_rewrite(plan, session.old)
+                self.events.emit(
+                    "rewrite", session.path, "allow", rule=f.entry.where.key, **self._plan_detail(plan)
+                )
+        finally:
+            os.close(fh)
+            self.inodes.release_handle(f.entry, fh)
+
+    @_fuse_errors
+    async def fsync(self, fh: pyfuse3.FileHandleT, datasync: bool) -> None:
+        """fsync in a worker thread so other requests go on."""
+        await trio.to_thread.run_sync(os.fdatasync if datasync else os.fsync, fh)
+
+    # ----- directories ---------------------------------------------------------------
+
+    @_fuse_errors
+    async def opendir(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.FileHandleT:
+        """Open a directory for listing."""
+        entry = self._entry(inode)
+        if entry.where.scope is Scope.FORBIDDEN:
+            self._check(Request("opendir", entry.path, entry.where, False))
+        fd = self.backing.open(entry.path, os.O_RDONLY | os.O_DIRECTORY)
+        dh = self._next_dir
+        self._next_dir += 1
+        self._dirs[dh] = _Dir(fd, entry)
+        return pyfuse3.FileHandleT(dh)
+
+    @_fuse_errors
+    async def readdir(self, fh: pyfuse3.FileHandleT, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        """List a directory. Forbidden names are left out: readdirplus would hand the kernel
+        their attributes (size, times) without a lookup, and the name itself can be a secret.
+        """
+        d = self._dirs[fh]
+        if d.listing is None or start_id == 0:
+            d.listing = self._list(d)
+        inodes = self.inodes
+        for i in range(start_id, len(d.listing)):
+            name, st, where = d.listing[i]
+            entry_ino = inodes.fuse_ino(st.st_ino)
+            if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(os.fsencode(name)), self._attr(st, entry_ino), i + 1):
+                return
+            inodes.remember(st.st_ino, st.st_mode, _join(d.entry.path, name), where)
+
+    def _list(self, d: _Dir) -> list[tuple[str, os.stat_result, Classification]]:
+        out = []
+        base = d.entry.path
+        with os.scandir(d.fd) as it:
+            for de in it:
+                try:
+                    st = de.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if st.st_dev != self._root_dev:
+                    continue
+                path = _join(base, de.name)
+                where = self.inodes.classify(st.st_ino, stat.S_ISDIR(st.st_mode), path)
+                if where.scope is not Scope.FORBIDDEN:
+                    out.append((de.name, st, where))
+        return out
+
+    @_fuse_errors
+    async def releasedir(self, fh: pyfuse3.FileHandleT) -> None:
+        """Close the directory."""
+        os.close(self._dirs.pop(fh).fd)
+
+    @_fuse_errors
+    async def fsyncdir(self, fh: pyfuse3.FileHandleT, datasync: bool) -> None:
+        """fsync a directory in a worker thread."""
+        await trio.to_thread.run_sync(os.fsync, self._dirs[fh].fd)
+
+    @_fuse_errors
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        """The backing filesystem's figures."""
+        sv = os.statvfs(self.backing.root_fd)
+        out = pyfuse3.StatvfsData()
+        for attr in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files",
+                     "f_ffree", "f_favail", "f_namemax"):
+            setattr(out, attr, getattr(sv, attr))
+        return out
+
+    @_fuse_errors
+    async def access(self, inode: pyfuse3.InodeT, mode: pyfuse3.ModeT, ctx: pyfuse3.RequestContext) -> bool:
+        """Scope-aware access(2): W_OK is false wherever a write would be refused.
+
+        With the ``default_permissions`` mount option (guardfs's default) the kernel answers
+        access(2) from the mode bits and never calls this; it serves mounts without it.
+        """
+        entry = self._entry(inode)
+        if entry.where.scope is Scope.FORBIDDEN:
+            return False
+        if mode & os.W_OK and policy_verdict(Request("access", entry.path, entry.where, True)).allow is False:
+            return False
+        return True
+
+    # ----- extended attributes -------------------------------------------------------
+
+    def _xattr_target(self, inode: int, mutating: bool, op: str) -> tuple[Entry, Request | None]:
+        entry = self._entry(inode)
+        request = None
+        if mutating:
+            where = self._where(entry.path, self._stat(entry), entry.is_dir)
+            request = self._mutation(op, entry.path, where)
+        elif entry.where.scope is Scope.FORBIDDEN:
+            self._check(Request(op, entry.path, entry.where, False))
+        return entry, request
+
+    def _xattr_call(self, path: str, call: Callable[[str], R]) -> R:
+        fd, proc = self.backing.proc_path(path)
+        try:
+            return call(proc)
+        finally:
+            os.close(fd)
+
+    @_fuse_errors
+    async def getxattr(self, inode: pyfuse3.InodeT, name: pyfuse3.XAttrNameT, ctx: pyfuse3.RequestContext) -> bytes:
+        """Read an extended attribute."""
+        entry, _ = self._xattr_target(inode, False, "getxattr")
+        return self._xattr_call(entry.path, lambda p: os.getxattr(p, name))
+
+    @_fuse_errors
+    async def listxattr(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> Sequence[pyfuse3.XAttrNameT]:
+        """List extended attributes."""
+        entry, _ = self._xattr_target(inode, False, "listxattr")
+        names = self._xattr_call(entry.path, os.listxattr)
+        return [pyfuse3.XAttrNameT(os.fsencode(n)) for n in names]
+
+    @_fuse_errors
+    async def setxattr(
+        self, inode: pyfuse3.InodeT, name: pyfuse3.XAttrNameT, value: bytes, ctx: pyfuse3.RequestContext
+    ) -> None:
+        """Set an extended attribute: a mutation."""
+        entry, request = self._xattr_target(inode, True, "setxattr")
+        self._xattr_call(entry.path, lambda p: os.setxattr(p, name, value))
+        assert request is not None
+        self._done(request)
+
+    @_fuse_errors
+    async def removexattr(self, inode: pyfuse3.InodeT, name: pyfuse3.XAttrNameT, ctx: pyfuse3.RequestContext) -> None:
+        """Remove an extended attribute: a mutation."""
+        entry, request = self._xattr_target(inode, True, "removexattr")
+        self._xattr_call(entry.path, lambda p: os.removexattr(p, name))
+        assert request is not None
+        self._done(request)

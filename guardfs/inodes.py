@@ -1,0 +1,139 @@
+"""The inode table: FUSE inode numbers, their paths, lookup counts and cached verdicts.
+
+FUSE inode numbers are the backing filesystem's own, with the root swapped to
+``pyfuse3.ROOT_INODE``, so hard links share one entry and tools that compare ``st_ino``
+(git, find) see stable numbers. An entry lives while the kernel holds a lookup on it (or a
+file handle is open) and is dropped when both reach zero.
+"""
+
+from __future__ import annotations
+
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pyfuse3
+
+from guardfs.policy import Classification, PathPolicy, Scope
+
+__all__ = ["Entry", "InodeTable"]
+
+# Most restrictive first: when one inode is reached by several names (hard links), the
+# strictest verdict sticks to it.
+_STRICTNESS = {
+    Scope.FORBIDDEN: 0,
+    Scope.PROTECTED: 1,
+    Scope.GIT_CONFIG: 2,
+    Scope.OUT_OF_SCOPE: 3,
+    Scope.GIT_INTERNAL: 4,
+    Scope.ALLOWED: 5,
+}
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """One inode the kernel knows about."""
+
+    ino: int
+    backing_ino: int
+    path: str
+    is_dir: bool
+    where: Classification
+    lookups: int = 0
+    handles: set[int] = field(default_factory=set)  # open file fds on this inode
+
+
+class InodeTable:
+    """Maps FUSE inodes to entries; pure bookkeeping, no I/O."""
+
+    def __init__(self, policy: PathPolicy, root_backing_ino: int) -> None:
+        self.policy = policy
+        self._root_bino = root_backing_ino
+        root = Entry(pyfuse3.ROOT_INODE, root_backing_ino, "", True, policy.classify("", True), 1)
+        self._entries: dict[int, Entry] = {root.ino: root}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(list(self._entries.values()))
+
+    def fuse_ino(self, backing_ino: int) -> int:
+        """The FUSE inode number for a backing inode number (root swapped with 1)."""
+        if backing_ino == self._root_bino:
+            return pyfuse3.ROOT_INODE
+        if backing_ino == pyfuse3.ROOT_INODE:
+            return self._root_bino
+        return backing_ino
+
+    def get(self, ino: int) -> Entry | None:
+        """The entry for *ino*, if the kernel still holds it."""
+        return self._entries.get(ino)
+
+    def classify(self, st_ino: int, is_dir: bool, path: str) -> Classification:
+        """The verdict for *path*: the cached one when the inode is known under that path."""
+        entry = self._entries.get(self.fuse_ino(st_ino))
+        if entry is not None and entry.path == path:
+            return entry.where
+        return self.policy.classify(path, is_dir)
+
+    def remember(
+        self, st_ino: int, st_mode: int, path: str, where: Classification | None = None
+    ) -> Entry:
+        """Record that the kernel now holds one more reference to the inode at *path*."""
+        ino = self.fuse_ino(st_ino)
+        entry = self._entries.get(ino)
+        is_dir = stat.S_ISDIR(st_mode)
+        if entry is None:
+            entry = Entry(ino, st_ino, path, is_dir, where or self.policy.classify(path, is_dir))
+            self._entries[ino] = entry
+        elif entry.path != path:
+            where = where or self.policy.classify(path, is_dir)
+            if is_dir or _STRICTNESS[where.scope] <= _STRICTNESS[entry.where.scope]:
+                entry.where = where
+            entry.path = path
+        entry.lookups += 1
+        return entry
+
+    def forget(self, ino: int, n: int) -> None:
+        """The kernel dropped *n* references to *ino*."""
+        entry = self._entries.get(ino)
+        if entry is None or ino == pyfuse3.ROOT_INODE:
+            return
+        entry.lookups -= n
+        self._drop_if_unused(entry)
+
+    def _drop_if_unused(self, entry: Entry) -> None:
+        if entry.lookups <= 0 and not entry.handles:
+            del self._entries[entry.ino]
+
+    def release_handle(self, entry: Entry, fd: int) -> None:
+        """A file handle on *entry* was closed."""
+        entry.handles.discard(fd)
+        if entry.ino in self._entries:
+            self._drop_if_unused(entry)
+
+    def moved(self, entry: Entry | None, old: str, new: str) -> None:
+        """The object at *old* (entry, if known) now lives at *new*; reclassify what moved.
+
+        A directory drags every known path below it along.
+        """
+        if entry is not None and not entry.is_dir:
+            entry.path = new
+            entry.where = self.policy.classify(new, False)
+            return
+        prefix = old + "/"
+        for e in self._entries.values():
+            if e.path == old or e.path.startswith(prefix):
+                e.path = new + e.path[len(old):]
+                e.where = self.policy.classify(e.path, e.is_dir)
+
+    def exchanged(self, a: str, b: str) -> None:
+        """RENAME_EXCHANGE swapped whatever lived at *a* and *b*."""
+        under_a = [e for e in self._entries.values() if e.path == a or e.path.startswith(a + "/")]
+        under_b = [e for e in self._entries.values() if e.path == b or e.path.startswith(b + "/")]
+        for group, old, new in ((under_a, a, b), (under_b, b, a)):
+            for e in group:
+                e.path = new + e.path[len(old):]
+                e.where = self.policy.classify(e.path, e.is_dir)
+

@@ -1,0 +1,221 @@
+"""The scope manifest: what a task may touch, validated strictly.
+
+A manifest is TOML with three sections, ``[task]``, ``[paths]`` and ``[limits]``. Every
+field is described where it is declared. Unknown keys, wrong types and bad patterns are
+errors that name the file, the key and the reason; an invalid manifest is never replaced
+by defaults.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import pathspec
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+)
+
+from guardfs.errors import ManifestError
+
+__all__ = ["Limits", "Manifest", "Paths", "Task", "load_manifest", "parse_manifest"]
+
+# Paths no pattern should match unless it matches nearly everything: a random name at the
+# root, with an extension, and one directory down.
+_BROAD_PROBES = ("zq7x9", "zq7x9.k3w", "zq7x9/yk3w2.k3w", "zq7x9/yk3w2/")
+
+
+def _check_pattern(pattern: str) -> str:
+    if not pattern.strip():
+        raise ValueError("an empty pattern matches nothing; remove it")
+    if "\0" in pattern or "\n" in pattern:
+        raise ValueError(f"{pattern!r} contains a NUL or newline character")
+    body = pattern[1:] if pattern.startswith("!") else pattern
+    parts = [p for p in body.split("/") if p]
+    if ".." in parts:
+        raise ValueError(f"{pattern!r} escapes the workspace root with '..'; patterns are relative to it")
+    if "." in parts:
+        raise ValueError(f"{pattern!r} has a '.' component; write the path without './'")
+    try:
+        pathspec.GitIgnoreSpec.from_lines([pattern])
+    except Exception as err:  # pathspec raises several types for a bad pattern
+        raise ValueError(f"{pattern!r} is not a valid gitignore-style pattern: {err}") from err
+    return pattern
+
+
+def _check_not_broad(pattern: str) -> str:
+    spec = pathspec.GitIgnoreSpec.from_lines([pattern])
+    if not pattern.startswith("!") and any(spec.match_file(p) for p in _BROAD_PROBES):
+        raise ValueError(
+            f"{pattern!r} is over-broad: it would forbid nearly every file in the workspace; "
+            "name the files or directories to protect, or use a read-only profile "
+            "(paths.allowed = []) to forbid writes everywhere"
+        )
+    return pattern
+
+
+Pattern = Annotated[str, AfterValidator(_check_pattern)]
+ForbiddenPattern = Annotated[str, AfterValidator(_check_pattern), AfterValidator(_check_not_broad)]
+
+
+def _unlimited(value: Any) -> Any:
+    if isinstance(value, str):
+        if value != "unlimited":
+            raise ValueError(f'expected a positive integer or "unlimited", got {value!r}')
+        return None
+    return value
+
+
+# A positive limit, or the string "unlimited" (TOML has no null).
+Limit = Annotated[Annotated[int, Field(ge=1)] | None, BeforeValidator(_unlimited)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Task(_Strict):
+    """What the agent was asked to do; quoted back to it in corrective feedback."""
+
+    id: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")] = Field(
+        description="Short identifier of the task: letters, digits, '.', '_' and '-'."
+    )
+    goal: Annotated[str, Field(min_length=1, max_length=4000)] = Field(
+        description="One or two sentences stating the task's goal, in the agent's own terms."
+    )
+
+
+class Paths(_Strict):
+    """Which paths the agent may write and which it may not even read.
+
+    Patterns are gitignore-style (pathspec ``GitIgnoreSpec``), relative to the workspace
+    root; a leading '/' anchors a pattern to the root, a trailing '/' matches a directory
+    and everything below it. Precedence: the guard's built-in protections first, then
+    ``forbidden``, then ``allowed``; a path matched by neither is out of scope (readable,
+    not writable).
+    """
+
+    allowed: list[Pattern] = Field(
+        default_factory=list,
+        description="Where writes may land. Empty (the default) means a read-only workspace.",
+    )
+    forbidden: list[ForbiddenPattern] = Field(
+        default_factory=list,
+        description=(
+            "Paths that can be neither read nor written; wins over 'allowed'. "
+            "Over-broad patterns such as '*' or '**' are refused."
+        ),
+    )
+    git_internals: Literal["writable", "read-only"] = Field(
+        default="writable",
+        description=(
+            "Whether git's own files under .git/ (index, objects, refs, locks, stash) may be "
+            "written so that git add/commit/stash/checkout work. They never count toward "
+            "the limits. .git/hooks/ and an existing .git/config are read-only either way."
+        ),
+    )
+
+
+class Limits(_Strict):
+    """The breaker's thresholds. A limit is a positive integer or "unlimited"."""
+
+    max_files: Limit = Field(
+        default=20,
+        description="Blast radius: distinct files (not directories) the agent may mutate.",
+    )
+    max_rewrites: Limit = Field(
+        default=3,
+        description=(
+            "Oscillation: how often the same (file, symbol) - or for non-Python files the "
+            "same changed region - may be rewritten; one more is refused."
+        ),
+    )
+    window_steps: Annotated[int, Field(ge=1)] = Field(
+        default=5, description="Token surge: the sliding window, in agent steps."
+    )
+    max_window_tokens: Limit = Field(
+        default=60000, description="Token surge: tokens allowed within the window."
+    )
+    max_tokens_without_progress: Limit = Field(
+        default=80000,
+        description="Token velocity: tokens spent with no file change and no passing test.",
+    )
+    max_consecutive_failures: Limit = Field(
+        default=3, description="Non-zero tool exits in a row before the breaker trips."
+    )
+    max_identical_calls: Limit = Field(
+        default=3,
+        description="Identical tool calls (same tool and arguments): warn at the 2nd, trip here.",
+    )
+    stagnation_similarity: Annotated[float, Field(gt=0.0, le=1.0)] = Field(
+        default=0.85,
+        description="Stagnation: similarity of consecutive tool inputs above this, with failures.",
+    )
+    idle_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        default=300.0, description="Seconds with no socket traffic and no output before tripping."
+    )
+    max_steps: Limit = Field(default=None, description="Optional turn budget; unlimited by default.")
+
+
+class Manifest(_Strict):
+    """A task's scope: the ``[task]``, ``[paths]`` and ``[limits]`` sections."""
+
+    task: Task = Field(description="The task being governed.")
+    paths: Paths = Field(default_factory=Paths, description="Scope of reads and writes.")
+    limits: Limits = Field(default_factory=Limits, description="Breaker thresholds.")
+
+    @property
+    def read_only(self) -> bool:
+        """True when the manifest allows no write outside git's internals."""
+        return not self.paths.allowed
+
+
+def _key(loc: tuple[int | str, ...]) -> str:
+    key = ""
+    for part in loc:
+        if isinstance(part, int):
+            key += f"[{part}]"
+        elif not re.fullmatch(r"function-after\[.*\]|int|none|str", part):
+            key += f".{part}" if key else part
+    return key
+
+
+def _reason(err: Any) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return "unknown key (a typo? see 'guard check --help' for the schema)"
+    if kind == "missing":
+        return "required key is missing"
+    msg: str = err["msg"]
+    return msg.removeprefix("Value error, ")
+
+
+def parse_manifest(text: str, source: str = "<manifest>") -> Manifest:
+    """Parse and validate manifest TOML; raise ManifestError naming each problem."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ManifestError(source, [("", f"not valid TOML: {err}")]) from err
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as err:
+        problems: dict[str, str] = {}
+        for e in err.errors():
+            problems.setdefault(_key(e["loc"]), _reason(e))
+        raise ManifestError(source, list(problems.items())) from err
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Read a manifest file; raise ManifestError (naming the file) if it is unusable."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ManifestError(str(path), [("", f"cannot read: {err}")]) from err
+    return parse_manifest(text, str(path))

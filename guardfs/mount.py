@@ -1,0 +1,80 @@
+"""Serving a GuardFS: mount, run the FUSE loop on trio, unmount on the way out."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Callable
+
+import pyfuse3
+import trio
+
+from guardfs.errors import MountError
+from guardfs.fs import GuardFS
+
+__all__ = ["check_fuse_available", "mount_options", "serve"]
+
+log = logging.getLogger(__name__)
+
+
+def check_fuse_available() -> None:
+    """Raise MountError saying what is missing when FUSE cannot work here."""
+    if not os.path.exists("/dev/fuse"):
+        raise MountError(
+            "/dev/fuse does not exist: load the fuse module (modprobe fuse) or, in a container, "
+            "pass --device /dev/fuse --cap-add SYS_ADMIN"
+        )
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        raise MountError("/dev/fuse is not readable and writable by this user")
+
+
+def mount_options(name: str = "guardfs") -> set[str]:
+    """Mount options: kernel permission checks by mode bits, shared with the agent's user."""
+    options = {f"fsname={name}", "subtype=guardfs", "default_permissions"}
+    if os.geteuid() == 0:
+        options.add("allow_other")  # the agent may run as another user
+    return options
+
+
+async def _serve(fs: GuardFS, handle_signals: bool, on_ready: Callable[[], None] | None) -> None:
+    async with trio.open_nursery() as nursery:
+        if handle_signals:
+            nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
+        if on_ready is not None:
+            on_ready()
+        await pyfuse3.main()
+        nursery.cancel_scope.cancel()  # unmounted from outside
+
+
+async def _stop_on_signal(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("received %s: unmounting", signal.Signals(signum).name)
+            scope.cancel()
+            return
+
+
+def serve(
+    fs: GuardFS,
+    mountpoint: str,
+    *,
+    handle_signals: bool = True,
+    on_ready: Callable[[], None] | None = None,
+) -> None:
+    """Mount *fs* at *mountpoint* and serve until a signal or an external unmount.
+
+    The mount is always removed before this returns, also when the loop fails.
+    """
+    check_fuse_available()
+    if not os.path.isdir(mountpoint):
+        raise MountError(f"mountpoint {mountpoint} is not a directory")
+    try:
+        pyfuse3.init(fs, mountpoint, mount_options())
+    except RuntimeError as err:
+        raise MountError(f"cannot mount at {mountpoint}: {err}") from err
+    try:
+        trio.run(_serve, fs, handle_signals, on_ready)
+    finally:
+        pyfuse3.close(unmount=True)
+        fs.close()
