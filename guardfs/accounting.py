@@ -141,7 +141,9 @@ class WriteAccounting:
         return RewritePlan(path, counts, new_hash, cycle, change)
 
     def commit_rewrite(self, plan: RewritePlan, old: bytes | None) -> None:
-        """Record a rewrite that was allowed and performed."""
+        """Record a rewrite that was allowed and performed (scratch files are not tracked)."""
+        if is_scratch_name(plan.path):
+            return
         rec = self.files.get(plan.path)
         if rec is None:
             rec = self.files[plan.path] = FileRecord(created=old is None)

@@ -133,6 +133,13 @@ class GuardFS(pyfuse3.Operations):
         self._dirs: dict[int, _Dir] = {}
         self._next_dir = 1
         self._as_root = os.geteuid() == 0
+        # A repository the agent creates during the run may configure itself (git init
+        # rewrites its config several times); one that was there before may not.
+        try:
+            self.backing.lstat(".git/config")
+            self._git_config_existed = True
+        except FileNotFoundError:
+            self._git_config_existed = False
 
     def close(self) -> None:
         """Close every fd this filesystem holds (after the mount is gone)."""
@@ -188,13 +195,13 @@ class GuardFS(pyfuse3.Operations):
         return parent, _join(parent.path, n)
 
     def _where(self, path: str, st: os.stat_result | None, is_dir: bool) -> Classification:
-        """Classification of *path*, with an existing .git/config made read-only."""
+        """Classification of *path*; .git/config is read-only if it existed at mount time."""
         if st is None:
             where = self.policy.classify(path, is_dir)
         else:
             where = self.inodes.classify(st.st_ino, stat.S_ISDIR(st.st_mode), path)
         if where.scope is Scope.GIT_CONFIG:
-            scope = Scope.PROTECTED if st is not None else Scope.GIT_INTERNAL
+            scope = Scope.PROTECTED if self._git_config_existed else Scope.GIT_INTERNAL
             return Classification(scope, where.key, where.pattern)
         return where
 

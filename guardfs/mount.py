@@ -61,16 +61,18 @@ def serve(
     *,
     handle_signals: bool = True,
     on_ready: Callable[[], None] | None = None,
+    options: set[str] | None = None,
 ) -> None:
     """Mount *fs* at *mountpoint* and serve until a signal or an external unmount.
 
     The mount is always removed before this returns, also when the loop fails.
+    *options* replaces :func:`mount_options` (tests use it to drop ``default_permissions``).
     """
     check_fuse_available()
     if not os.path.isdir(mountpoint):
         raise MountError(f"mountpoint {mountpoint} is not a directory")
     try:
-        pyfuse3.init(fs, mountpoint, mount_options())
+        pyfuse3.init(fs, mountpoint, mount_options() if options is None else options)
     except RuntimeError as err:
         raise MountError(f"cannot mount at {mountpoint}: {err}") from err
     try:

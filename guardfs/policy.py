@@ -30,7 +30,7 @@ class Scope(enum.Enum):
 
     FORBIDDEN = "forbidden"  # neither read nor write
     PROTECTED = "protected"  # read-only whatever the manifest says
-    GIT_CONFIG = "git-config"  # writable only while it does not exist yet
+    GIT_CONFIG = "git-config"  # read-only if it existed when the mount started
     GIT_INTERNAL = "git-internal"  # writable, never counted toward limits
     ALLOWED = "allowed"  # writable, counted
     OUT_OF_SCOPE = "out-of-scope"  # readable, not writable
@@ -87,7 +87,7 @@ class PathPolicy:
                 return self._git_internal()
             return Classification(Scope.PROTECTED, "built-in: .git/hooks/ is read-only")
         if path == ".git/config":
-            return Classification(Scope.GIT_CONFIG, "built-in: an existing .git/config is read-only")
+            return Classification(Scope.GIT_CONFIG, "built-in: .git/config is read-only if it existed when the guard started")
         if path == ".git" or path.startswith(".git/"):
             return self._git_internal()
         hit = self._allowed.check_file(probe)
@@ -119,7 +119,7 @@ class PathPolicy:
             "built-in protections:",
             f"  {GUARD_DIR}/              read-only (the guard's own files)",
             "  .git/hooks/          read-only (git may create *.sample templates)",
-            "  .git/config          read-only once it exists",
+            "  .git/config          read-only if it existed when the mount started",
             f"  .git/ (the rest)     {m.paths.git_internals}, not counted toward limits",
             "forbidden (no read, no write; EACCES):",
             *(f"  {p}" for p in m.paths.forbidden or ["(none)"]),

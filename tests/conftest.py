@@ -1,0 +1,182 @@
+"""Fixtures: real guarded mounts served from a thread of the test process.
+
+Each mount is torn down in a ``finally``: the FUSE loop is stopped, the mount removed and
+the server thread joined, and the teardown asserts that all three happened, also when the
+test itself failed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from guardfs.decision import Decider
+from guardfs.events import EventLog
+from guardfs.manifest import parse_manifest
+
+from .helpers import wait_for
+
+if not os.path.exists("/dev/fuse"):
+    pytest.skip("/dev/fuse is missing: FUSE tests need it", allow_module_level=True)
+
+import pyfuse3  # noqa: E402 - after the /dev/fuse check
+
+from guardfs.fs import GuardFS  # noqa: E402
+from guardfs.mount import serve  # noqa: E402
+
+CHECKOUT_MANIFEST = """
+[task]
+id = "fix-tax-rounding"
+goal = "Fix the tax rounding helper in src/checkout/ so coupons cannot go negative"
+
+[paths]
+allowed = ["src/checkout/", "tests/checkout/", "work/"]
+forbidden = [".env*", "src/auth/root_keys.ts", ".github/workflows/", "**/migrations/"]
+
+[limits]
+max_files = "unlimited"
+max_rewrites = "unlimited"
+"""
+
+
+@dataclass
+class Guarded:
+    """A live guarded mount: the server object, both directories and the events."""
+
+    fs: GuardFS
+    backing: Path
+    mnt: Path
+    events_path: Path
+    calls: dict[str, int] = field(default_factory=dict)
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every event written so far."""
+        with open(self.events_path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f]
+
+    def denials(self) -> list[dict[str, Any]]:
+        """Denial events written so far."""
+        return [e for e in self.events() if e["decision"] == "deny"]
+
+
+def _counting(fs: GuardFS, calls: dict[str, int]) -> None:
+    """Count each handler invocation (for the operation registry test)."""
+    for name, member in vars(pyfuse3.Operations).items():
+        if name.startswith("_") or not inspect.iscoroutinefunction(member):
+            continue
+
+        def make(n: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+            async def wrapped(*args: Any, **kwargs: Any) -> Any:
+                calls[n] = calls.get(n, 0) + 1
+                return await fn(*args, **kwargs)
+
+            return wrapped
+
+        setattr(fs, name, make(name, getattr(fs, name)))
+
+
+@contextmanager
+def guarded_mount(
+    root: Path,
+    manifest: str = CHECKOUT_MANIFEST,
+    *,
+    decider: Decider | None = None,
+    cache_timeout: float = 60.0,
+    options: set[str] | None = None,
+    count_calls: bool = False,
+) -> Iterator[Guarded]:
+    """Mount ``root/backing`` at ``root/mnt`` and serve it from a thread."""
+    backing, mnt = root / "backing", root / "mnt"
+    backing.mkdir(exist_ok=True)
+    mnt.mkdir(exist_ok=True)
+    events_path = root / "events.jsonl"
+    events = EventLog(events_path)
+    fs = GuardFS(str(backing), parse_manifest(manifest), events, decider, cache_timeout)
+    g = Guarded(fs, backing, mnt, events_path)
+    if count_calls:
+        _counting(fs, g.calls)
+    token: list[trio.lowlevel.TrioToken] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            serve(
+                fs, str(mnt), handle_signals=False, options=options,
+                on_ready=lambda: token.append(trio.lowlevel.current_trio_token()),
+            )
+        except BaseException as err:  # reported by the teardown below
+            failure.append(err)
+
+    thread = threading.Thread(target=run, name="guardfs-server", daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: bool(failure) or (bool(token) and os.path.ismount(mnt)), "the mount")
+        if failure:
+            raise failure[0]
+        yield g
+    finally:
+        if token and thread.is_alive():
+            try:
+                trio.from_thread.run_sync(pyfuse3.terminate, trio_token=token[0])
+            except trio.RunFinishedError:
+                pass
+        thread.join(timeout=20)
+        events.close()
+        still_mounted = os.path.ismount(mnt)
+        if still_mounted:
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
+        assert not thread.is_alive(), "the guardfs server thread did not exit"
+        assert not still_mounted, f"{mnt} was still mounted after the server stopped"
+        if failure and not isinstance(failure[0], Exception):
+            raise failure[0]
+        assert not failure, f"the server failed: {failure[0]!r}"
+
+
+@pytest.fixture
+def guarded(tmp_path: Path) -> Iterator[Guarded]:
+    """A guarded mount of an empty workspace with the checkout manifest."""
+    with guarded_mount(tmp_path) as g:
+        yield g
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_left_behind() -> Iterator[None]:
+    """After the whole session: no guardfs mount and no stray child process."""
+    yield
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        left = [line for line in f if " - fuse.guardfs " in line]
+    assert not left, f"guardfs mounts left behind: {left}"
+    import psutil
+
+    children = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    assert not children, f"processes left behind: {children}"
+
+
+def git_env(home: Path) -> dict[str, str]:
+    """An environment in which git needs no user configuration."""
+    env = dict(os.environ)
+    env.update(
+        HOME=str(home), GIT_CONFIG_NOSYSTEM="1", GIT_AUTHOR_NAME="Agent", GIT_AUTHOR_EMAIL="agent@example.invalid",
+        GIT_COMMITTER_NAME="Agent", GIT_COMMITTER_EMAIL="agent@example.invalid",
+    )
+    return env
+
+
+def require(tool: str) -> str:
+    """The path of *tool*, or skip naming it."""
+    path = shutil.which(tool)
+    if path is None:
+        pytest.skip(f"{tool} is not installed")
+    return path

@@ -1,0 +1,44 @@
+"""Small helpers shared by tests: bounded waits and backing-tree snapshots."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["snapshot", "wait_for"]
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """Wait until *condition* holds, polling with a bound; fail naming *what*."""
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, bytes, float]]:
+    """Every entry below *root*: mode, content (or link target) and mtime, byte for byte."""
+    out: dict[str, tuple[int, bytes, float]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            rel = os.path.relpath(p, root)
+            if stat.S_ISLNK(st.st_mode):
+                data = os.readlink(p).encode()
+            elif stat.S_ISREG(st.st_mode):
+                data = Path(p).read_bytes()
+            else:
+                data = b""
+            xattrs = b"".join(
+                n.encode() + b"=" + os.getxattr(p, n, follow_symlinks=False)
+                for n in sorted(os.listxattr(p, follow_symlinks=False))
+            )
+            out[rel] = (st.st_mode, data + b"\0" + xattrs, st.st_mtime)
+    return out
