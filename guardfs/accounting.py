@@ -61,43 +61,16 @@ class RewritePlan:
         return max(self.counts.items(), key=lambda kv: kv[1]) if self.counts else None
 
 
+@dataclass(slots=True)
 class WriteSession:
-    """One open-for-write of a counted file: its pre-image and a shadow of its content."""
+    """One open-for-write of a counted file, from open (or the last flush) to close.
 
-    __slots__ = ("dirty", "old", "path", "shadow")
+    Only the pre-image is kept; the new content is read back from the disk when the
+    session ends, so writes through other handles or a path truncate are seen as they are.
+    """
 
-    def __init__(self, path: str, old: bytes | None, truncated: bool) -> None:
-        self.path = path
-        self.old = old  # None: too large or unreadable to analyse
-        self.shadow: bytearray | None = None if old is None else bytearray(b"" if truncated else old)
-        self.dirty = truncated
-
-    def apply_write(self, offset: int, data: bytes) -> None:
-        """Mirror a write into the shadow (dropped once it grows past the analysis cap)."""
-        self.dirty = True
-        s = self.shadow
-        if s is None:
-            return
-        end = offset + len(data)
-        if end > MAX_ANALYSED_BYTES:
-            self.shadow = None
-            return
-        if offset > len(s):
-            s.extend(b"\0" * (offset - len(s)))
-        s[offset:end] = data
-
-    def apply_truncate(self, size: int) -> None:
-        """Mirror a truncate into the shadow."""
-        self.dirty = True
-        s = self.shadow
-        if s is None:
-            return
-        if size > MAX_ANALYSED_BYTES:
-            self.shadow = None
-        elif size <= len(s):
-            del s[size:]
-        else:
-            s.extend(b"\0" * (size - len(s)))
+    path: str
+    old: bytes | None  # None: too large to analyse
 
 
 class WriteAccounting:

@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import stat
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
@@ -57,8 +58,9 @@ _libc = ctypes.CDLL(None, use_errno=True)
 # Operations whose new_files did not exist before.
 _CREATING = frozenset({"create", "mknod", "symlink"})
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC
-# Flags the kernel handles itself or that would make our own I/O fail.
-_STRIP_FLAGS = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
+# Flags the kernel handles itself or that would make our own I/O fail. O_TRUNC stays: with
+# atomic_o_trunc (which libfuse enables) the kernel leaves truncation on open to us.
+_STRIP_FLAGS = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | getattr(os, "O_DIRECT", 0)
 
 
 def _fuse_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
@@ -72,6 +74,13 @@ def _fuse_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
             raise FUSEError(err.errno or errno.EIO) from err
 
     return wrapper
+
+
+def _invalidate(ino: int) -> None:
+    try:
+        pyfuse3.invalidate_inode(pyfuse3.InodeT(ino))
+    except OSError as err:  # the kernel forgot the inode meanwhile: nothing to refresh
+        log.debug("invalidate_inode(%d): %s", ino, err)
 
 
 def _join(parent: str, name: str) -> str:
@@ -93,6 +102,9 @@ class _File:
     writable: bool
     session: WriteSession | None = None
     dirty: bool = False
+    # O_TRUNC held back until the first write is judged (a file near max_rewrites), so a
+    # refused rewrite does not leave the file emptied.
+    pending_truncate: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -346,8 +358,6 @@ class GuardFS(pyfuse3.Operations):
         if fields.update_size:
             if handle is not None and handle.writable:
                 os.ftruncate(handle.fd, attr.st_size)
-                if handle.session is not None:
-                    handle.session.apply_truncate(attr.st_size)
                 handle.dirty = True
             else:
                 fd = self.backing.open(path, os.O_WRONLY)
@@ -505,11 +515,11 @@ class GuardFS(pyfuse3.Operations):
             "rename", src, src_where, True, target=dst, target_where=dst_where,
             new_files=self._new_files(*counted), rewrite=plan,
         )
+        self._check(request)
         if src_dir or (exchange and dst_st is not None and stat.S_ISDIR(dst_st.st_mode)):
             self._check_carried(request, src, dst)
             if exchange:
                 self._check_carried(request, dst, src)
-        self._check(request)
         old_dir, old_name = self.backing.parent(src)
         new_dir, new_name = self.backing.parent(dst)
         if flags:
@@ -574,20 +584,18 @@ class GuardFS(pyfuse3.Operations):
             where = self._where(entry.path, self._stat(entry), entry.is_dir)
         if where.scope is Scope.FORBIDDEN or writable:
             self._check(Request("open", entry.path, where, writable))
-        fd = self.backing.open(entry.path, flags & ~_STRIP_FLAGS)
+        session = None
+        defer = False
+        if writable and where.scope.counted:  # the pre-image, before O_TRUNC takes it
+            session = WriteSession(entry.path, self._read_small(entry.path, self._stat(entry)))
+            limit = self.limits.max_rewrites
+            defer = bool(flags & os.O_TRUNC) and limit is not None and self.accounting.hot(entry.path, limit)
+        fd = self.backing.open(entry.path, flags & ~(_STRIP_FLAGS | (os.O_TRUNC if defer else 0)))
         st = os.fstat(fd)
         if st.st_ino != entry.backing_ino:
             os.close(fd)
             raise FUSEError(errno.ESTALE)
-        session = None
-        if writable and where.scope.counted:
-            old = None
-            if st.st_size <= MAX_ANALYSED_BYTES and flags & os.O_ACCMODE == os.O_RDWR:
-                old = os.pread(fd, MAX_ANALYSED_BYTES + 1, 0)
-            elif st.st_size <= MAX_ANALYSED_BYTES:
-                old = self._read_small(entry.path, st)
-            session = WriteSession(entry.path, old, truncated=False)
-        self._files[fd] = _File(fd, entry, writable, session)
+        self._files[fd] = _File(fd, entry, writable, session, bool(flags & os.O_TRUNC), defer)
         entry.handles.add(fd)
         return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fd), keep_cache=True)
 
@@ -610,7 +618,7 @@ class GuardFS(pyfuse3.Operations):
             os.close(fd)
             raise
         entry = self.inodes.remember(st.st_ino, st.st_mode, path, where)
-        session = WriteSession(path, b"", truncated=True) if where.scope.counted else None
+        session = WriteSession(path, b"") if where.scope.counted else None
         self._files[fd] = _File(fd, entry, True, session, dirty=True)
         entry.handles.add(fd)
         self._done(request)
@@ -631,47 +639,92 @@ class GuardFS(pyfuse3.Operations):
             limit = self.limits.max_rewrites
             first = not f.dirty
             hot = limit is not None and self.accounting.hot(session.path, limit)
-            if first or hot:
+            if first or hot or f.pending_truncate:
                 request = Request(
                     "write", session.path, f.entry.where, True,
                     new_files=self._new_files((session.path, f.entry.where)),
-                    rewrite=self._preview(session, off, buf) if hot else None,
+                    rewrite=self._preview(f, off, buf) if hot or f.pending_truncate else None,
                 )
-                self._check(request)
+                self._check_write(f, request)
                 if first:
                     self._done(request)
-            session.apply_write(off, buf)
+                if f.pending_truncate:
+                    os.ftruncate(fh, 0)
+                    f.pending_truncate = False
         elif not f.dirty:
             self.events.emit("write", f.entry.path, "allow", rule=f.entry.where.key)
         f.dirty = True
         return os.pwrite(fh, buf, off)
 
-    def _preview(self, session: WriteSession, off: int, buf: bytes) -> Any:
-        if session.shadow is None:
+    def _check_write(self, f: _File, request: Request) -> None:
+        """Judge a write; after a refusal with O_TRUNC held back, the kernel (which believes
+        the file is now empty) is told to reload its attributes and pages."""
+        try:
+            self._check(request)
+        except FUSEError:
+            if f.pending_truncate:
+                ino = f.entry.ino
+                # Not from inside this request: the kernel may wait on it (deadlock).
+                threading.Thread(target=_invalidate, args=(ino,), daemon=True).start()
+            raise
+
+    def _current(self, f: _File) -> bytes | None:
+        """The file's content now, if small enough to analyse."""
+        if f.pending_truncate:
+            return b""
+        st = os.fstat(f.fd)
+        return self._read_small(f.entry.path, st) if st.st_ino == f.entry.backing_ino else None
+
+    def _preview(self, f: _File, off: int, buf: bytes) -> Any:
+        """The rewrite this write would complete, judged before it lands."""
+        assert f.session is not None
+        current = self._current(f)
+        if current is None or off + len(buf) > MAX_ANALYSED_BYTES:
             return None
-        probe = WriteSession(session.path, bytes(session.shadow), truncated=False)
-        probe.apply_write(off, buf)
-        if probe.shadow is None:
-            return None
-        return self.accounting.plan_rewrite(session.path, session.old, bytes(probe.shadow))
+        data = bytearray(current)
+        if off > len(data):
+            data.extend(b"\0" * (off - len(data)))
+        data[off:off + len(buf)] = buf
+        return self.accounting.plan_rewrite(f.session.path, f.session.old, bytes(data))
 
     @_fuse_errors
     async def flush(self, fh: pyfuse3.FileHandleT) -> None:
-        """close() of one descriptor: nothing to do, data is written through."""
+        """close() of a descriptor: the write session ends here.
+
+        The kernel sends flush synchronously with close(2) but release later and
+        asynchronously, so accounting at flush means the next open already sees this
+        session's counts.
+        """
+        self._end_session(self._files[fh])
+
+    def _end_session(self, f: _File) -> None:
+        session = f.session
+        if session is None or not f.dirty:
+            return
+        if f.pending_truncate:  # opened with O_TRUNC, closed without writing: empty it now
+            request = Request(
+                "truncate", session.path, f.entry.where, True,
+                rewrite=self.accounting.plan_rewrite(session.path, session.old, b""),
+            )
+            f.dirty = False
+            self._check_write(f, request)
+            os.ftruncate(f.fd, 0)
+            f.pending_truncate = False
+        new = self._current(f)
+        plan = self.accounting.plan_rewrite(session.path, session.old, new)
+        self.accounting.commit_rewrite(plan, session.old)
+        self.events.emit("rewrite", session.path, "allow", rule=f.entry.where.key, **self._plan_detail(plan))
+        session.old = new  # writes through a dup of this handle start a new session
+        f.dirty = False
 
     @_fuse_errors
     async def release(self, fh: pyfuse3.FileHandleT) -> None:
-        """Last close: account the write session and close the backing fd."""
+        """Last close: end any session still open and close the backing fd."""
         f = self._files.pop(fh)
         try:
-            session = f.session
-            if session is not None and f.dirty and f.writable:
-                new = bytes(session.shadow) if session.shadow is not None else None
-                plan = self.accounting.plan_rewrite(session.path, session.old, new)
-                self.accounting.commit_rewrite(plan, session.old)
-                self.events.emit(
-                    "rewrite", session.path, "allow", rule=f.entry.where.key, **self._plan_detail(plan)
-                )
+            self._end_session(f)
+        except FUSEError:
+            pass  # release has no caller to tell; flush already reported the refusal
         finally:
             os.close(fh)
             self.inodes.release_handle(f.entry, fh)
