@@ -11,7 +11,8 @@ Layers, from the pure core outwards:
   passthrough itself; :mod:`guardfs.mount` serves it.
 
 The FUSE layer (which needs libfuse) is imported from :mod:`guardfs.fs` on demand, so the
-manifest tools work on a machine without FUSE. guardfs knows nothing of processes or sockets; ``sandbox`` builds on it, never the reverse.
+manifest tools work on a machine without FUSE. guardfs knows nothing of processes or
+sockets; ``sandbox`` builds on it, never the reverse.
 """
 
 from guardfs.decision import Decider, LimitsDecider, Request, Verdict

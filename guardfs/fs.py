@@ -18,7 +18,7 @@ import logging
 import os
 import stat
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
@@ -63,7 +63,7 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC
 _STRIP_FLAGS = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | getattr(os, "O_DIRECT", 0)
 
 
-def _fuse_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+def _fuse_errors(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
     """Map OSError to FUSEError in one place; anything else propagates (a bug)."""
 
     @functools.wraps(fn)
@@ -590,7 +590,7 @@ class GuardFS(pyfuse3.Operations):
             session = WriteSession(entry.path, self._read_small(entry.path, self._stat(entry)))
             limit = self.limits.max_rewrites
             defer = bool(flags & os.O_TRUNC) and limit is not None and self.accounting.hot(entry.path, limit)
-        fd = self.backing.open(entry.path, flags & ~(_STRIP_FLAGS | (os.O_TRUNC if defer else 0)))
+        fd = self._open_session_fd(entry.path, flags & ~(_STRIP_FLAGS | (os.O_TRUNC if defer else 0)), session)
         st = os.fstat(fd)
         if st.st_ino != entry.backing_ino:
             os.close(fd)
@@ -609,7 +609,10 @@ class GuardFS(pyfuse3.Operations):
         where = self._where(path, None, False)
         request = self._mutation("create", path, where)
         dir_fd, n = self.backing.parent(path)
-        fd = os.open(n, (flags & ~_STRIP_FLAGS) | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+        cflags = (flags & ~_STRIP_FLAGS) | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        if where.scope.counted and cflags & os.O_ACCMODE == os.O_WRONLY:
+            cflags = (cflags & ~os.O_ACCMODE) | os.O_RDWR  # read back at flush (see _current)
+        fd = os.open(n, cflags, mode, dir_fd=dir_fd)
         try:
             if self._as_root and (ctx.uid, ctx.gid) != (0, 0):
                 os.fchown(fd, ctx.uid, ctx.gid)
@@ -668,12 +671,24 @@ class GuardFS(pyfuse3.Operations):
                 threading.Thread(target=_invalidate, args=(ino,), daemon=True).start()
             raise
 
+    def _open_session_fd(self, path: str, flags: int, session: WriteSession | None) -> int:
+        """Open the backing file; a write session also needs to read it back, so a
+        write-only open is widened to read-write where the file allows it."""
+        if session is not None and flags & os.O_ACCMODE == os.O_WRONLY:
+            try:
+                return self.backing.open(path, (flags & ~os.O_ACCMODE) | os.O_RDWR)
+            except PermissionError:
+                session.old = None  # cannot read it back: no content analysis
+        return self.backing.open(path, flags)
+
     def _current(self, f: _File) -> bytes | None:
-        """The file's content now, if small enough to analyse."""
+        """The file's content now (read through the open fd), if small enough to analyse."""
         if f.pending_truncate:
             return b""
-        st = os.fstat(f.fd)
-        return self._read_small(f.entry.path, st) if st.st_ino == f.entry.backing_ino else None
+        if f.session is None or f.session.old is None:
+            return None
+        size = os.fstat(f.fd).st_size
+        return None if size > MAX_ANALYSED_BYTES else os.pread(f.fd, size + 1, 0)
 
     def _preview(self, f: _File, off: int, buf: bytes) -> Any:
         """The rewrite this write would complete, judged before it lands."""
@@ -811,9 +826,7 @@ class GuardFS(pyfuse3.Operations):
         entry = self._entry(inode)
         if entry.where.scope is Scope.FORBIDDEN:
             return False
-        if mode & os.W_OK and policy_verdict(Request("access", entry.path, entry.where, True)).allow is False:
-            return False
-        return True
+        return not (mode & os.W_OK) or policy_verdict(Request("access", entry.path, entry.where, True)).allow
 
     # ----- extended attributes -------------------------------------------------------
 

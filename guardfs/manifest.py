@@ -44,9 +44,14 @@ def _check_pattern(pattern: str) -> str:
     if "." in parts:
         raise ValueError(f"{pattern!r} has a '.' component; write the path without './'")
     try:
-        pathspec.GitIgnoreSpec.from_lines([pattern])
+        spec = pathspec.GitIgnoreSpec.from_lines([pattern])
     except Exception as err:  # pathspec raises several types for a bad pattern
         raise ValueError(f"{pattern!r} is not a valid gitignore-style pattern: {err}") from err
+    if getattr(spec.patterns[0], "include", None) is None:
+        raise ValueError(
+            f"{pattern!r} is not a valid gitignore-style pattern: it matches nothing "
+            "(a '#' comment, or an unclosed '[')"
+        )
     return pattern
 
 

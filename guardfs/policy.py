@@ -23,6 +23,7 @@ GUARD_DIR = ".guard"
 # Names git writes under .git/hooks/ itself (templates copied by git init). A *.sample
 # hook is never run by git, so letting git create it keeps `git init` working.
 _SAMPLE_HOOK = re.compile(r"^\.git/hooks/[^/]+\.sample$")
+_GIT_CONFIG_RULE = "built-in: .git/config is read-only if it existed when the guard started"
 
 
 class Scope(enum.Enum):
@@ -87,7 +88,7 @@ class PathPolicy:
                 return self._git_internal()
             return Classification(Scope.PROTECTED, "built-in: .git/hooks/ is read-only")
         if path == ".git/config":
-            return Classification(Scope.GIT_CONFIG, "built-in: .git/config is read-only if it existed when the guard started")
+            return Classification(Scope.GIT_CONFIG, _GIT_CONFIG_RULE)
         if path == ".git" or path.startswith(".git/"):
             return self._git_internal()
         hit = self._allowed.check_file(probe)

@@ -76,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     mount.add_argument("backing", metavar="BACKING", help="the real workspace directory")
     mount.add_argument("mountpoint", metavar="MOUNTPOINT", help="where the guarded view appears")
+
+    sub.add_parser(
+        "demo",
+        help="play a drifting agent against a real guarded mount of a sample repository",
+        description="Build a sample repository, guard it, and show what a drifting agent meets.",
+    )
     return p
 
 
@@ -125,6 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "check":
             return _cmd_check(args)
+        if args.command == "demo":
+            from sandbox.demo import run_demo
+
+            return run_demo()
         return _cmd_mount(args)
     except ManifestError as err:
         print(f"guard: {err}", file=sys.stderr)

@@ -7,6 +7,7 @@ test itself failed.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -31,10 +32,10 @@ from .helpers import wait_for
 if not os.path.exists("/dev/fuse"):
     pytest.skip("/dev/fuse is missing: FUSE tests need it", allow_module_level=True)
 
-import pyfuse3  # noqa: E402 - after the /dev/fuse check
+import pyfuse3
 
-from guardfs.fs import GuardFS  # noqa: E402
-from guardfs.mount import serve  # noqa: E402
+from guardfs.fs import GuardFS
+from guardfs.mount import serve
 
 CHECKOUT_MANIFEST = """
 [task]
@@ -128,10 +129,8 @@ def guarded_mount(
         yield g
     finally:
         if token and thread.is_alive():
-            try:
+            with contextlib.suppress(trio.RunFinishedError):  # it stopped by itself meanwhile
                 trio.from_thread.run_sync(pyfuse3.terminate, trio_token=token[0])
-            except trio.RunFinishedError:
-                pass
         thread.join(timeout=20)
         events.close()
         still_mounted = os.path.ismount(mnt)

@@ -67,11 +67,11 @@ def refused(action: Callable[[], object], expected: int) -> None:
 def test_forbidden_reads_are_refused(workspace: Guarded) -> None:
     m = workspace.mnt
     before = snapshot(workspace.backing)
-    refused(lambda: (m / ".env").read_text(), errno.EACCES)
+    refused((m / ".env").read_text, errno.EACCES)
     refused(lambda: os.stat(m / "src/auth/root_keys.ts"), errno.EACCES)
-    refused(lambda: (m / "src/checkout/.env.local").read_bytes(), errno.EACCES)
+    refused((m / "src/checkout/.env.local").read_bytes, errno.EACCES)
     refused(lambda: os.listdir(m / "src/checkout/db/migrations"), errno.EACCES)
-    refused(lambda: (m / ".github/workflows/ci.yml").read_text(), errno.EACCES)
+    refused((m / ".github/workflows/ci.yml").read_text, errno.EACCES)
     # Not listed: readdirplus would hand the kernel their attributes, and names can leak.
     assert ".env" not in os.listdir(m)
     assert "root_keys.ts" not in os.listdir(m / "src/auth")
@@ -91,8 +91,8 @@ def test_forbidden_through_symlinks_links_and_renames(workspace: Guarded) -> Non
     os.symlink("../../.env", code / "env-link")
     os.symlink(str(m / "src/auth/root_keys.ts"), code / "abs-link")
     before = snapshot(b)
-    refused(lambda: (code / "env-link").read_text(), errno.EACCES)
-    refused(lambda: (code / "abs-link").read_text(), errno.EACCES)
+    refused((code / "env-link").read_text, errno.EACCES)
+    refused((code / "abs-link").read_text, errno.EACCES)
     # Hard link and rename of a forbidden file into scope need its name: refused.
     refused(lambda: os.link(m / ".env", code / "env-copy"), errno.EACCES)
     refused(lambda: os.rename(m / ".env", code / "env-moved"), errno.EACCES)
@@ -125,9 +125,8 @@ def test_symlink_planted_in_the_backing_tree_is_never_followed(workspace: Guarde
     (m / "src/checkout/sub/f.txt").write_text("in scope\n")
     os.rename(b / "src/checkout/sub", b / "src/checkout/sub-real")
     os.symlink(str(outside), b / "src/checkout/sub")
-    with pytest.raises(OSError):
-        with open(m / "src/checkout/sub/f.txt", "a") as f:
-            f.write("escape")
+    with pytest.raises(OSError), open(m / "src/checkout/sub/f.txt", "a") as f:
+        f.write("escape")
     with pytest.raises(OSError):
         (m / "src/checkout/sub/secret").write_text("escape")
     assert (outside / "secret").read_text() == "outside secret\n"

@@ -1,0 +1,108 @@
+"""Manifests: the shipped examples are valid; every kind of invalid one is refused by
+``guard check`` with exit 65 and a message naming the file, the key and the reason."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from guardfs.errors import ManifestError
+from guardfs.manifest import load_manifest, parse_manifest
+
+MANIFESTS = Path(__file__).parent.parent / "manifests"
+HEAD = '[task]\nid = "t"\ngoal = "g"\n'
+
+
+def guard(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the ``guard`` command line as a user would."""
+    return subprocess.run([sys.executable, "-m", "sandbox", *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("path", sorted(MANIFESTS.glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_manifests_are_valid(path: Path) -> None:
+    proc = guard("check", str(path))
+    assert proc.returncode == 0, proc.stderr
+    manifest = load_manifest(path)
+    assert manifest.task.id in proc.stdout
+    assert "precedence: built-in protections > paths.forbidden > paths.allowed" in proc.stdout
+
+
+def test_shipped_profiles_say_what_they_promise() -> None:
+    checkout = load_manifest(MANIFESTS / "checkout-bugfix.toml")
+    assert checkout.paths.allowed == ["src/checkout/", "tests/checkout/"]
+    assert {".env*", "src/auth/root_keys.ts", ".github/workflows/", "**/migrations/"} <= set(checkout.paths.forbidden)
+    assert checkout.limits.max_files == 6
+    assert load_manifest(MANIFESTS / "codemod-repo-wide.toml").limits.max_files is None
+    review = load_manifest(MANIFESTS / "review-read-only.toml")
+    assert review.read_only and review.paths.git_internals == "read-only"
+
+
+INVALID = {
+    "unknown key": (HEAD + "[limits]\nmax_filez = 3\n", "limits.max_filez", "unknown key"),
+    "unknown section": (HEAD + "[extras]\nx = 1\n", "extras", "unknown key"),
+    "wrong type": (HEAD + "[limits]\nmax_files = \"six\"\n", "limits.max_files", 'positive integer or "unlimited"'),
+    "bool for int": (HEAD + "[limits]\nwindow_steps = true\n", "limits.window_steps", "valid integer"),
+    "negative limit": (HEAD + "[limits]\nmax_rewrites = 0\n", "limits.max_rewrites", "greater than or equal to 1"),
+    "list expected": (HEAD + "[paths]\nallowed = \"src/\"\n", "paths.allowed", "valid list"),
+    "over-broad forbidden": (HEAD + "[paths]\nforbidden = [\"**\"]\n", "paths.forbidden[0]", "over-broad"),
+    "over-broad star": (HEAD + "[paths]\nforbidden = [\".env\", \"*\"]\n", "paths.forbidden[1]", "over-broad"),
+    "escapes root": (HEAD + "[paths]\nallowed = [\"../other/\"]\n", "paths.allowed[0]", "escapes the workspace root"),
+    "dot component": (HEAD + "[paths]\nallowed = [\"./src/\"]\n", "paths.allowed[0]", "without './'"),
+    "empty pattern": (HEAD + "[paths]\nforbidden = [\"  \"]\n", "paths.forbidden[0]", "empty pattern"),
+    "bad range": (HEAD + "[paths]\nforbidden = [\"[z-a].py\"]\n", "paths.forbidden[0]", "not a valid gitignore"),
+    "unclosed bracket": (HEAD + "[paths]\nallowed = [\"src/[\"]\n", "paths.allowed[0]", "matches nothing"),
+    "comment pattern": (HEAD + "[paths]\nforbidden = [\"# secrets\"]\n", "paths.forbidden[0]", "matches nothing"),
+    "trailing backslash": (HEAD + "[paths]\nforbidden = [\"x\\\\\"]\n", "paths.forbidden[0]", "not a valid gitignore"),
+    "missing goal": ('[task]\nid = "t"\n', "task.goal", "required key is missing"),
+    "missing task": ("[paths]\nallowed = []\n", "task", "required key is missing"),
+    "bad id": ('[task]\nid = "no spaces allowed"\ngoal = "g"\n', "task.id", "should match pattern"),
+    "bad git setting": (HEAD + '[paths]\ngit_internals = "maybe"\n', "paths.git_internals", "or 'read-only'"),
+    "not toml": ("[task\nid=", "", "not valid TOML"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INVALID), ids=str)
+def test_invalid_manifest_is_refused_with_its_reason(case: str, tmp_path: Path) -> None:
+    text, key, reason = INVALID[case]
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    proc = guard("check", str(path))
+    assert proc.returncode == 65, proc.stderr
+    assert proc.stdout == ""  # never a compiled policy from defaults
+    line = next((ln for ln in proc.stderr.splitlines() if reason in ln), None)
+    assert line is not None, proc.stderr
+    assert str(path) in line
+    assert f": {key}:" in line if key else True
+
+
+def test_unreadable_and_missing_files_are_named(tmp_path: Path) -> None:
+    proc = guard("check", str(tmp_path / "absent.toml"))
+    assert proc.returncode == 65 and "absent.toml: cannot read" in proc.stderr
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    proc = guard("check", str(binary))
+    assert proc.returncode == 65 and "binary.toml: cannot read" in proc.stderr
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(HEAD + '[paths]\nforbidden = ["**"]\nallowed = ["../x"]\n[limits]\nnope = 1\n', "m.toml")
+    keys = [k for k, _ in info.value.problems]
+    assert keys == ["paths.allowed[0]", "paths.forbidden[0]", "limits.nope"] or set(keys) == {
+        "paths.allowed[0]", "paths.forbidden[0]", "limits.nope"}
+
+
+def test_manifest_is_frozen() -> None:
+    manifest = parse_manifest(HEAD)
+    with pytest.raises(ValueError, match="frozen"):
+        manifest.task.goal = "something else"
+
+
+def test_check_usage_errors_exit_64() -> None:
+    assert guard("check").returncode == 64
+    assert guard("frobnicate").returncode == 64
+    proc = guard("check", "--help")
+    assert proc.returncode == 0 and "max_files" in proc.stdout

@@ -1,0 +1,93 @@
+"""The compiled policy: its forbidden/allowed matching agrees with real git, and the
+built-in protections hold whatever the manifest says."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from guardfs.manifest import parse_manifest
+from guardfs.policy import PathPolicy, Scope
+
+from .conftest import require
+
+PATTERNS = [".env*", "src/auth/root_keys.ts", ".github/workflows/", "**/migrations/", "*.pem",
+            "/build", "docs/**/*.png", "!docs/keep.png", "secret?.txt", "[Tt]mp/"]
+PATHS = [
+    (".env", False), (".env.local", False), ("src/.env", False), ("src/auth/root_keys.ts", False),
+    ("src/auth/session.ts", False), (".github/workflows/ci.yml", False), (".github/workflows", True),
+    (".github/dependabot.yml", False), ("db/migrations/001.sql", False), ("migrations", True),
+    ("a/b/migrations/x.py", False), ("migrations.py", False), ("cert.pem", False), ("a/b/c.pem", False),
+    ("build", True), ("build/out.o", False), ("src/build", True), ("docs/img/a.png", False),
+    ("docs/a.png", False), ("docs/keep.png", False), ("secret1.txt", False), ("secret12.txt", False),
+    ("tmp/x", False), ("Tmp/y", False), ("TMP/z", False), ("README.md", False),
+]
+
+
+def test_forbidden_matching_agrees_with_git(tmp_path: Path) -> None:
+    """git check-ignore, fed the same patterns, is the ground truth."""
+    require("git")
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text("\n".join(PATTERNS) + "\n")
+    for rel, is_dir in PATHS:
+        p = tmp_path / rel
+        if is_dir:
+            p.mkdir(parents=True, exist_ok=True)
+        else:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text("x")
+    proc = subprocess.run(
+        ["git", "-C", str(tmp_path), "check-ignore", "--stdin"],
+        input="\n".join(rel for rel, _ in PATHS) + "\n", capture_output=True, text=True,
+    )
+    git_ignored = set(proc.stdout.split())
+    manifest = parse_manifest(
+        '[task]\nid = "t"\ngoal = "g"\n[paths]\nforbidden = [' + ", ".join(f'"{p}"' for p in PATTERNS) + "]\n"
+    )
+    policy = PathPolicy(manifest)
+    ours = {rel for rel, is_dir in PATHS if policy.classify(rel, is_dir).scope is Scope.FORBIDDEN}
+    assert ours == git_ignored
+
+
+POLICY = PathPolicy(parse_manifest(
+    '[task]\nid = "t"\ngoal = "g"\n[paths]\nallowed = ["src/checkout/", "**"]\n'
+    'forbidden = [".env*", "!.env.example"]\n'
+))
+
+
+@pytest.mark.parametrize(
+    ("path", "is_dir", "scope", "key"),
+    [
+        (".git/hooks/pre-commit", False, Scope.PROTECTED, "built-in: .git/hooks/ is read-only"),
+        (".git/hooks/pre-commit.sample", False, Scope.GIT_INTERNAL, "built-in: git internals"),
+        (".git/hooks", True, Scope.GIT_INTERNAL, "built-in: git internals"),
+        (".git/config", False, Scope.GIT_CONFIG, "built-in: .git/config is read-only if it existed when the guard started"),  # noqa: E501
+        (".git/index.lock", False, Scope.GIT_INTERNAL, "built-in: git internals"),
+        (".git/refs/stash", False, Scope.GIT_INTERNAL, "built-in: git internals"),
+        (".guard/STATE.md", False, Scope.PROTECTED, "built-in: the guard's own files"),
+        (".env", False, Scope.FORBIDDEN, "paths.forbidden"),
+        (".env.example", False, Scope.ALLOWED, "paths.allowed"),
+        ("src/checkout/tax.py", False, Scope.ALLOWED, "paths.allowed"),
+        ("", True, Scope.OUT_OF_SCOPE, "workspace root"),
+    ],
+)
+def test_built_ins_win_over_an_allow_everything_manifest(path: str, is_dir: bool, scope: Scope, key: str) -> None:
+    where = POLICY.classify(path, is_dir)
+    assert (where.scope, where.key) == (scope, key)
+
+
+def test_decisions_name_their_pattern() -> None:
+    policy = PathPolicy(parse_manifest(
+        '[task]\nid = "t"\ngoal = "g"\n[paths]\nallowed = ["src/checkout/", "!src/checkout/vendor/"]\n'
+        'forbidden = ["**/migrations/"]\n'
+    ))
+    assert policy.classify("src/checkout/db/migrations", True).describe() == "paths.forbidden '**/migrations/'"
+    assert policy.classify("src/checkout/a.py", False).describe() == "paths.allowed 'src/checkout/'"
+    vendored = policy.classify("src/checkout/vendor/x.py", False)
+    assert vendored.scope is Scope.OUT_OF_SCOPE and vendored.pattern == "!src/checkout/vendor/"
+    assert policy.classify("src", True).scope is Scope.ALLOWED  # a parent of an allowed directory
+    assert policy.classify("src/other.py", False).scope is Scope.OUT_OF_SCOPE
+    read_only = PathPolicy(parse_manifest('[task]\nid = "t"\ngoal = "g"\n[paths]\ngit_internals = "read-only"\n'))
+    assert read_only.classify(".git/index", False).scope is Scope.PROTECTED
