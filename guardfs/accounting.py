@@ -11,7 +11,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from guardfs.signature import MAX_ANALYSED_BYTES, Change, analyse, content_hash
+from guardfs.signature import MAX_ANALYSED_BYTES, Change, analyse, content_hash, units_of
 
 __all__ = ["FileRecord", "RewritePlan", "WriteAccounting", "WriteSession", "is_scratch_name"]
 
@@ -39,6 +39,10 @@ class FileRecord:
     """What this run has done to one counted file."""
 
     created: bool = False  # did not exist before this run touched it
+    # The creating write has not been analysed yet: its units are counted (once each) by
+    # the next rewrite, which parses that content anyway. Files written once and never
+    # again (an extracted tree, generated code) are never parsed.
+    creation_pending: bool = False
     rewrites: int = 0
     symbols: Counter[str] = field(default_factory=Counter)
     regions: list[list[int]] = field(default_factory=list)  # [first, last, count]
@@ -54,6 +58,7 @@ class RewritePlan:
     new_hash: str | None
     cycle: bool  # content returns to an earlier version other than the current one
     change: Change | None
+    born: Change | None = None  # the creation's units, counted now (creation_pending)
 
     @property
     def peak(self) -> tuple[str, int] | None:
@@ -98,20 +103,30 @@ class WriteAccounting:
         """What rewriting *path* from *old* to *new* would count (nothing is recorded)."""
         rec = self.files.get(path) or FileRecord(created=old is None)
         counts: dict[str, int] = {}
-        change = None
-        if new is not None and len(new) <= MAX_ANALYSED_BYTES and (old is None or len(old) <= MAX_ANALYSED_BYTES):
+        change = born = None
+        analysable = new is not None and len(new) <= MAX_ANALYSED_BYTES and (
+            old is None or len(old) <= MAX_ANALYSED_BYTES
+        )
+        if rec.created and rec.rewrites == 0 and not old:
+            pass  # the creating write: analysed lazily, see FileRecord.creation_pending
+        elif analysable:
+            assert new is not None
+            base = rec
+            if rec.creation_pending:
+                born = units_of(path, old or b"")
+                base = _bumped(rec, born)
             change = analyse(path, old or b"", new)
             for sym in change.symbols:
-                counts[f"symbol {sym}"] = rec.symbols[sym] + 1
+                counts[f"symbol {sym}"] = base.symbols[sym] + 1
             for lo, hi in change.regions:
-                slot = _region_slot(rec.regions, lo, hi)
-                counts[f"lines {lo}-{hi}"] = (rec.regions[slot][2] if slot is not None else 0) + 1
+                slot = _region_slot(base.regions, lo, hi)
+                counts[f"lines {lo}-{hi}"] = (base.regions[slot][2] if slot is not None else 0) + 1
         else:  # too large to analyse: the whole file is the unit
             counts["file"] = rec.rewrites + 1
         new_hash = content_hash(new) if new is not None else None
         history = rec.hashes or ([content_hash(old)] if old is not None else [])
         cycle = new_hash is not None and new_hash in history[:-1] and new_hash != history[-1]
-        return RewritePlan(path, counts, new_hash, cycle, change)
+        return RewritePlan(path, counts, new_hash, cycle, change, born)
 
     def commit_rewrite(self, plan: RewritePlan, old: bytes | None) -> None:
         """Record a rewrite that was allowed and performed (scratch files are not tracked)."""
@@ -122,17 +137,14 @@ class WriteAccounting:
             rec = self.files[plan.path] = FileRecord(created=old is None)
         if old is not None and not rec.hashes:
             rec.hashes.append(content_hash(old))
-        rec.rewrites += 1
+        if plan.born is not None:
+            _bump(rec, plan.born)
         if plan.change is not None:
-            for sym in plan.change.symbols:
-                rec.symbols[sym] += 1
-            for lo, hi in plan.change.regions:
-                slot = _region_slot(rec.regions, lo, hi)
-                if slot is None:
-                    rec.regions.append([lo, hi, 1])
-                else:
-                    r = rec.regions[slot]
-                    r[0], r[1], r[2] = min(r[0], lo), max(r[1], hi), r[2] + 1
+            _bump(rec, plan.change)
+        rec.creation_pending = (rec.creation_pending and plan.change is None) or (
+            rec.rewrites == 0 and rec.created and plan.change is None and not plan.counts
+        )
+        rec.rewrites += 1
         if plan.new_hash is not None:
             rec.hashes.append(plan.new_hash)
 
@@ -153,6 +165,8 @@ class WriteAccounting:
         rec = self.files.get(path)
         if rec is None:
             return False
+        if rec.creation_pending and limit <= 1:
+            return True
         if rec.rewrites >= limit and not rec.symbols and not rec.regions:
             return True
         return any(n >= limit for n in rec.symbols.values()) or any(r[2] >= limit for r in rec.regions)
@@ -173,3 +187,25 @@ def _region_slot(regions: list[list[int]], lo: int, hi: int) -> int | None:
         if lo <= b and a <= hi:
             return i
     return None
+
+
+def _bump(rec: FileRecord, change: Change) -> None:
+    """Count one mutation of every unit *change* names."""
+    for sym in change.symbols:
+        rec.symbols[sym] += 1
+    for lo, hi in change.regions:
+        slot = _region_slot(rec.regions, lo, hi)
+        if slot is None:
+            rec.regions.append([lo, hi, 1])
+        else:
+            r = rec.regions[slot]
+            r[0], r[1], r[2] = min(r[0], lo), max(r[1], hi), r[2] + 1
+
+
+def _bumped(rec: FileRecord, change: Change) -> FileRecord:
+    """A copy of *rec* with *change* counted."""
+    copy = FileRecord(rec.created, rec.creation_pending, rec.rewrites, Counter(rec.symbols),
+                      [list(r) for r in rec.regions], list(rec.hashes))
+    _bump(copy, change)
+    return copy
+

@@ -13,7 +13,7 @@ import difflib
 import hashlib
 from dataclasses import dataclass
 
-__all__ = ["MAX_ANALYSED_BYTES", "Change", "analyse", "content_hash"]
+__all__ = ["MAX_ANALYSED_BYTES", "Change", "analyse", "content_hash", "units_of"]
 
 #: Files larger than this are hashed but not analysed for symbols.
 MAX_ANALYSED_BYTES = 1 << 20
@@ -46,6 +46,12 @@ def analyse(path: str, old: bytes, new: bytes) -> Change:
     return Change(frozenset(), _changed_regions(old, new))
 
 
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+# Statement fields that hold nested statements: only statements can be definitions, so the
+# walk never descends into expressions (most of a tree's nodes).
+_BLOCKS = ("body", "orelse", "finalbody", "handlers", "cases")
+
+
 def _python_units(data: bytes) -> dict[str, tuple[str, ...]] | None:
     """Map each symbol to its own source lines (excluding nested symbols)."""
     try:
@@ -56,24 +62,37 @@ def _python_units(data: bytes) -> dict[str, tuple[str, ...]] | None:
     lines = text.splitlines()
     owner: list[str] = ["<module>"] * len(lines)
 
-    def visit(node: ast.AST, prefix: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                name = f"{prefix}{child.name}"
-                first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
-                last = child.end_lineno or child.lineno
-                for i in range(first - 1, last):
+    def visit(stmts: list[ast.stmt], prefix: str) -> None:
+        for node in stmts:
+            if isinstance(node, _DEFS):
+                name = f"{prefix}{node.name}"
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                for i in range(first - 1, node.end_lineno or node.lineno):
                     owner[i] = name
-                visit(child, name + ".")
-            else:
-                visit(child, prefix)
+                visit(node.body, name + ".")
+                continue
+            for field in _BLOCKS:
+                block = getattr(node, field, None)
+                if block:
+                    for item in block:  # handlers and match cases wrap their statements
+                        visit([item] if isinstance(item, ast.stmt) else item.body, prefix)
 
-    visit(tree, "")
+    visit(tree.body, "")
     units: dict[str, list[str]] = {}
     for line, name in zip(lines, owner, strict=True):
         if line.strip():
             units.setdefault(name, []).append(line.strip())
     return {name: tuple(body) for name, body in units.items()}
+
+
+def units_of(path: str, data: bytes) -> Change:
+    """Every unit of *data*, as if it had all just been written (a file's creation)."""
+    if path.endswith((".py", ".pyi")):
+        units = _python_units(data)
+        if units is not None:
+            return Change(frozenset(units), ())
+    n = data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
+    return Change(frozenset(), ((1, max(n, 1)),))
 
 
 def _changed_regions(old: bytes, new: bytes) -> tuple[tuple[int, int], ...]:
