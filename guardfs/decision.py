@@ -48,6 +48,7 @@ class Request:
     target_where: Classification | None = None
     new_files: tuple[str, ...] = ()  # paths this would add to the blast radius
     rewrite: RewritePlan | None = None
+    actor: str = ""  # command name of the calling process, filled in for forbidden lookups
 
 
 @dataclass(frozen=True, slots=True)

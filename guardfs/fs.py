@@ -18,6 +18,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
@@ -38,7 +39,7 @@ from guardfs.decision import (
 from guardfs.events import EventLog
 from guardfs.inodes import Entry, InodeTable
 from guardfs.manifest import Manifest
-from guardfs.policy import Classification, PathPolicy, Scope
+from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope
 from guardfs.signature import MAX_ANALYSED_BYTES
 
 __all__ = ["UNSUPPORTED", "GuardFS"]
@@ -53,6 +54,13 @@ UNSUPPORTED: dict[str, int] = {
     "poll": errno.ENOSYS,  # the kernel falls back to its default poll: always ready
     "mknod (block/char device)": errno.EPERM,  # no device nodes in a workspace
 }
+
+# The virtual .guard/ directory and its STATE.md: inode numbers no backing filesystem
+# hands out (ext4's are 32-bit), and file handles above every possible fd.
+_VDIR_INO = (1 << 62) + 1
+_VFILE_INO = (1 << 62) + 2
+_STATE_NAME = "STATE.md"
+_VFH_BASE = 1 << 40
 
 _libc = ctypes.CDLL(None, use_errno=True)
 # Operations whose new_files did not exist before.
@@ -81,6 +89,15 @@ def _invalidate(ino: int) -> None:
         pyfuse3.invalidate_inode(pyfuse3.InodeT(ino))
     except OSError as err:  # the kernel forgot the inode meanwhile: nothing to refresh
         log.debug("invalidate_inode(%d): %s", ino, err)
+
+
+def _command_name(pid: int) -> str:
+    """The command name of *pid* (for denial events), or '' if it is gone."""
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _join(parent: str, name: str) -> str:
@@ -113,7 +130,7 @@ class _Dir:
 
     fd: int
     entry: Entry
-    listing: list[tuple[str, os.stat_result, Classification]] | None = field(default=None)
+    listing: list[tuple[str, os.stat_result | None, Classification]] | None = field(default=None)
 
 
 class GuardFS(pyfuse3.Operations):
@@ -129,7 +146,9 @@ class GuardFS(pyfuse3.Operations):
         events: EventLog,
         decider: Decider | None = None,
         cache_timeout: float = 60.0,
+        state_text: Callable[[], str] | None = None,
     ) -> None:
+        """Serve *backing* under *manifest*; *state_text* renders ``.guard/STATE.md``."""
         super().__init__()
         self.backing = Backing(backing)
         self.policy = PathPolicy(manifest)
@@ -145,6 +164,12 @@ class GuardFS(pyfuse3.Operations):
         self._dirs: dict[int, _Dir] = {}
         self._next_dir = 1
         self._as_root = os.geteuid() == 0
+        self.state_text = state_text or self._default_state
+        self._vdir = self.inodes.add_virtual(_VDIR_INO, GUARD_DIR, True)
+        self._vfile = self.inodes.add_virtual(_VFILE_INO, f"{GUARD_DIR}/{_STATE_NAME}", False)
+        self._vhandles: dict[int, bytes] = {}
+        self._next_vh = _VFH_BASE
+        self._started_ns = time.time_ns()
         # A repository the agent creates during the run may configure itself (git init
         # rewrites its config several times); one that was there before may not.
         try:
@@ -162,6 +187,46 @@ class GuardFS(pyfuse3.Operations):
         self._files.clear()
         self._dirs.clear()
         self.backing.close()
+
+    # ----- the virtual .guard/STATE.md ------------------------------------------------
+
+    def _default_state(self) -> str:
+        """STATE.md when no breaker renders it: the task, the scope and the counts."""
+        m, lim = self.policy.manifest, self.limits
+        max_files = "unlimited" if lim.max_files is None else lim.max_files
+        files = "".join(f"- {p}: {r.rewrites} rewrite(s)\n" for p, r in sorted(self.accounting.files.items()))
+        return (
+            f"# guard state\n\n**Task {m.task.id}**: {m.task.goal}\n\n## Scope\n"
+            f"- writes allowed in: {', '.join(m.paths.allowed) or 'nowhere (read-only)'}\n"
+            f"- forbidden (no read, no write): {', '.join(m.paths.forbidden) or 'nothing'}\n\n"
+            f"## Budget\n- files mutated: {self.accounting.distinct} of {max_files}\n"
+            f"- denials so far: {self.events.counts['deny']}\n"
+            + (f"\n## Files mutated\n{files}" if files else "")
+        )
+
+    def _vattr(self, entry: Entry) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = pyfuse3.InodeT(entry.ino)
+        if entry.is_dir:
+            attr.st_mode = pyfuse3.ModeT(stat.S_IFDIR | 0o555)
+            attr.st_nlink = 2
+            attr.entry_timeout = attr.attr_timeout = self.timeout
+        else:
+            attr.st_mode = pyfuse3.ModeT(stat.S_IFREG | 0o444)
+            attr.st_nlink = 1
+            attr.st_size = len(self.state_text().encode())
+            attr.entry_timeout = attr.attr_timeout = 0  # its size changes with every event
+        attr.st_uid, attr.st_gid = os.getuid(), os.getgid()
+        attr.st_blksize = 4096
+        stamp = self._started_ns if entry.is_dir else time.time_ns()
+        attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = stamp
+        return attr
+
+    def _refuse_guard_dir(self, op: str, *paths: str) -> None:
+        """Mutations of the guard's own names are refused before the backing is touched."""
+        for path in paths:
+            if path == GUARD_DIR or path.startswith(GUARD_DIR + "/"):
+                self._check(Request(op, path, self.policy.classify(path, False), True))
 
     # ----- helpers -------------------------------------------------------------------
 
@@ -242,6 +307,7 @@ class GuardFS(pyfuse3.Operations):
             request.path,
             "deny",
             target=request.target,
+            actor=request.actor or None,
             rule=verdict.rule,
             pattern=verdict.pattern,
             errno=errno.errorcode.get(verdict.errno, str(verdict.errno)),
@@ -300,6 +366,8 @@ class GuardFS(pyfuse3.Operations):
         """Resolve *name*; a forbidden one is refused with EACCES, an absent one cached."""
         parent = self._entry(parent_inode)
         n = os.fsdecode(name)
+        if parent.virtual or (parent.ino == pyfuse3.ROOT_INODE and n == GUARD_DIR):
+            return self._lookup_virtual(parent, n)
         if n == ".":
             path = parent.path
         elif n == "..":
@@ -317,9 +385,18 @@ class GuardFS(pyfuse3.Operations):
             raise FUSEError(errno.EXDEV)  # another filesystem mounted inside the workspace
         where = self.inodes.classify(st.st_ino, stat.S_ISDIR(st.st_mode), path)
         if where.scope is Scope.FORBIDDEN:
-            self._check(Request("lookup", path, where, False))
+            self._check(Request("lookup", path, where, False, actor=_command_name(ctx.pid)))
         entry = self.inodes.remember(st.st_ino, st.st_mode, path, where)
         return self._attr(st, entry.ino)
+
+    def _lookup_virtual(self, parent: Entry, name: str) -> pyfuse3.EntryAttributes:
+        if parent.ino == pyfuse3.ROOT_INODE or name in (".", ".."):
+            return self._vattr(self._vdir if name != ".." else self._entry(pyfuse3.ROOT_INODE))
+        if name == _STATE_NAME:
+            return self._vattr(self._vfile)
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = pyfuse3.InodeT(0)
+        return attr
 
     async def forget(self, inode_list: Sequence[tuple[pyfuse3.InodeT, int]]) -> None:
         """Drop the kernel's references."""
@@ -329,7 +406,10 @@ class GuardFS(pyfuse3.Operations):
     @_fuse_errors
     async def getattr(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         """Attributes of a known inode."""
-        return self._attr(self._stat(self._entry(inode)), inode)
+        entry = self._entry(inode)
+        if entry.virtual:
+            return self._vattr(entry)
+        return self._attr(self._stat(entry), inode)
 
     @_fuse_errors
     async def setattr(
@@ -342,6 +422,7 @@ class GuardFS(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         """chmod, chown, truncate and utimes, each a mutation judged before it lands."""
         entry = self._entry(inode)
+        self._refuse_guard_dir("setattr", entry.path)
         handle = self._files.get(fh) if fh is not None else None
         st = self._stat(entry)
         path = entry.path
@@ -391,6 +472,8 @@ class GuardFS(pyfuse3.Operations):
     async def readlink(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.FileNameT:
         """The target of a symlink, as stored; the kernel resolves it inside the mount."""
         entry = self._entry(inode)
+        if entry.virtual:
+            raise FUSEError(errno.EINVAL)
         dir_fd, name = self.backing.parent(entry.path)
         return pyfuse3.FileNameT(os.fsencode(os.readlink(name, dir_fd=dir_fd)))
 
@@ -440,6 +523,7 @@ class GuardFS(pyfuse3.Operations):
         """Hard link: both names must be writable, so no file is linked into or out of scope."""
         entry = self._entry(inode)
         _, path = self._child(new_parent_inode, new_name)
+        self._refuse_guard_dir("link", entry.path, path)
         st = self._stat(entry)
         where = self._where(entry.path, st, entry.is_dir)
         target_where = self._where(path, None, False)
@@ -462,6 +546,7 @@ class GuardFS(pyfuse3.Operations):
     ) -> None:
         """Remove a file name."""
         _, path = self._child(parent_inode, name)
+        self._refuse_guard_dir("unlink", path)
         st = self.backing.lstat(path)
         request = self._mutation("unlink", path, self._where(path, st, False))
         dir_fd, n = self.backing.parent(path)
@@ -474,6 +559,7 @@ class GuardFS(pyfuse3.Operations):
     ) -> None:
         """Remove an empty directory."""
         _, path = self._child(parent_inode, name)
+        self._refuse_guard_dir("rmdir", path)
         st = self.backing.lstat(path)
         request = self._mutation("rmdir", path, self._where(path, st, True), counts=False)
         dir_fd, n = self.backing.parent(path)
@@ -490,6 +576,7 @@ class GuardFS(pyfuse3.Operations):
         """Rename, judged at both ends and, for a directory, for everything it carries."""
         _, src = self._child(parent_inode_old, name_old)
         _, dst = self._child(parent_inode_new, name_new)
+        self._refuse_guard_dir("rename", src, dst)
         src_st = self.backing.lstat(src)
         dst_st = self._lstat_or_none(dst)
         src_dir = stat.S_ISDIR(src_st.st_mode)
@@ -579,6 +666,8 @@ class GuardFS(pyfuse3.Operations):
         """Open a file; opening for write outside scope is refused here."""
         entry = self._entry(inode)
         writable = bool(flags & _WRITE_FLAGS)
+        if entry.virtual:
+            return self._open_virtual(entry, writable)
         where = entry.where
         if where.scope is Scope.GIT_CONFIG or (writable and where.scope is not Scope.ALLOWED):
             where = self._where(entry.path, self._stat(entry), entry.is_dir)
@@ -598,6 +687,14 @@ class GuardFS(pyfuse3.Operations):
         self._files[fd] = _File(fd, entry, writable, session, bool(flags & os.O_TRUNC), defer)
         entry.handles.add(fd)
         return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fd), keep_cache=True)
+
+    def _open_virtual(self, entry: Entry, writable: bool) -> pyfuse3.FileInfo:
+        if writable or entry.is_dir:
+            self._check(Request("open", entry.path, entry.where, True))
+        fh = self._next_vh
+        self._next_vh += 1
+        self._vhandles[fh] = self.state_text().encode()  # one consistent snapshot per open
+        return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fh), direct_io=True)
 
     @_fuse_errors
     async def create(
@@ -630,6 +727,8 @@ class GuardFS(pyfuse3.Operations):
     @_fuse_errors
     async def read(self, fh: pyfuse3.FileHandleT, off: int, size: int) -> bytes:
         """Read from the backing file (counted, not logged)."""
+        if fh >= _VFH_BASE:
+            return self._vhandles[fh][off:off + size]
         self.events.counts["read"] += 1
         return os.pread(fh, size, off)
 
@@ -710,7 +809,8 @@ class GuardFS(pyfuse3.Operations):
         asynchronously, so accounting at flush means the next open already sees this
         session's counts.
         """
-        self._end_session(self._files[fh])
+        if fh < _VFH_BASE:
+            self._end_session(self._files[fh])
 
     def _end_session(self, f: _File) -> None:
         session = f.session
@@ -735,6 +835,9 @@ class GuardFS(pyfuse3.Operations):
     @_fuse_errors
     async def release(self, fh: pyfuse3.FileHandleT) -> None:
         """Last close: end any session still open and close the backing fd."""
+        if fh >= _VFH_BASE:
+            del self._vhandles[fh]
+            return
         f = self._files.pop(fh)
         try:
             self._end_session(f)
@@ -757,7 +860,7 @@ class GuardFS(pyfuse3.Operations):
         entry = self._entry(inode)
         if entry.where.scope is Scope.FORBIDDEN:
             self._check(Request("opendir", entry.path, entry.where, False))
-        fd = self.backing.open(entry.path, os.O_RDONLY | os.O_DIRECTORY)
+        fd = -1 if entry.virtual else self.backing.open(entry.path, os.O_RDONLY | os.O_DIRECTORY)
         dh = self._next_dir
         self._next_dir += 1
         self._dirs[dh] = _Dir(fd, entry)
@@ -774,16 +877,28 @@ class GuardFS(pyfuse3.Operations):
         inodes = self.inodes
         for i in range(start_id, len(d.listing)):
             name, st, where = d.listing[i]
+            if st is None:  # the virtual STATE.md: permanent, not counted
+                attr = self._vattr(self._vfile)
+                if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(os.fsencode(name)), attr, i + 1):
+                    return
+                continue
             entry_ino = inodes.fuse_ino(st.st_ino)
             if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(os.fsencode(name)), self._attr(st, entry_ino), i + 1):
                 return
             inodes.remember(st.st_ino, st.st_mode, _join(d.entry.path, name), where)
 
-    def _list(self, d: _Dir) -> list[tuple[str, os.stat_result, Classification]]:
-        out = []
+    def _list(self, d: _Dir) -> list[tuple[str, os.stat_result | None, Classification]]:
+        out: list[tuple[str, os.stat_result | None, Classification]] = []
         base = d.entry.path
+        if d.entry.virtual:
+            return [(_STATE_NAME, None, self._vfile.where)]
+        # The virtual .guard/ is reachable by name but not listed, so that `git add -A`,
+        # tar and rsync never pick up the guard's own state; a real .guard is shadowed.
+        root = d.entry.ino == pyfuse3.ROOT_INODE
         with os.scandir(d.fd) as it:
             for de in it:
+                if root and de.name == GUARD_DIR:
+                    continue
                 try:
                     st = de.stat(follow_symlinks=False)
                 except FileNotFoundError:
@@ -799,12 +914,16 @@ class GuardFS(pyfuse3.Operations):
     @_fuse_errors
     async def releasedir(self, fh: pyfuse3.FileHandleT) -> None:
         """Close the directory."""
-        os.close(self._dirs.pop(fh).fd)
+        fd = self._dirs.pop(fh).fd
+        if fd >= 0:
+            os.close(fd)
 
     @_fuse_errors
     async def fsyncdir(self, fh: pyfuse3.FileHandleT, datasync: bool) -> None:
         """fsync a directory in a worker thread."""
-        await trio.to_thread.run_sync(os.fsync, self._dirs[fh].fd)
+        fd = self._dirs[fh].fd
+        if fd >= 0:
+            await trio.to_thread.run_sync(os.fsync, fd)
 
     @_fuse_errors
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
@@ -832,6 +951,10 @@ class GuardFS(pyfuse3.Operations):
 
     def _xattr_target(self, inode: int, mutating: bool, op: str) -> tuple[Entry, Request | None]:
         entry = self._entry(inode)
+        if entry.virtual:
+            if mutating:
+                self._check(Request(op, entry.path, entry.where, True))
+            raise FUSEError(pyfuse3.ENOATTR if op == "getxattr" else errno.EOPNOTSUPP)
         request = None
         if mutating:
             where = self._where(entry.path, self._stat(entry), entry.is_dir)
@@ -856,6 +979,8 @@ class GuardFS(pyfuse3.Operations):
     @_fuse_errors
     async def listxattr(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> Sequence[pyfuse3.XAttrNameT]:
         """List extended attributes."""
+        if self._entry(inode).virtual:
+            return []
         entry, _ = self._xattr_target(inode, False, "listxattr")
         names = self._xattr_call(entry.path, os.listxattr)
         return [pyfuse3.XAttrNameT(os.fsencode(n)) for n in names]

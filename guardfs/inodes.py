@@ -41,6 +41,7 @@ class Entry:
     where: Classification
     lookups: int = 0
     handles: set[int] = field(default_factory=set)  # open file fds on this inode
+    virtual: bool = False  # served by guardfs itself (.guard/), never forgotten
 
 
 class InodeTable:
@@ -95,10 +96,16 @@ class InodeTable:
         entry.lookups += 1
         return entry
 
+    def add_virtual(self, ino: int, path: str, is_dir: bool) -> Entry:
+        """A permanent entry that guardfs serves itself."""
+        entry = Entry(ino, 0, path, is_dir, self.policy.classify(path, is_dir), 1, virtual=True)
+        self._entries[ino] = entry
+        return entry
+
     def forget(self, ino: int, n: int) -> None:
         """The kernel dropped *n* references to *ino*."""
         entry = self._entries.get(ino)
-        if entry is None or ino == pyfuse3.ROOT_INODE:
+        if entry is None or ino == pyfuse3.ROOT_INODE or entry.virtual:
             return
         entry.lookups -= n
         self._drop_if_unused(entry)
@@ -124,7 +131,7 @@ class InodeTable:
             return
         prefix = old + "/"
         for e in self._entries.values():
-            if e.path == old or e.path.startswith(prefix):
+            if not e.virtual and (e.path == old or e.path.startswith(prefix)):
                 e.path = new + e.path[len(old):]
                 e.where = self.policy.classify(e.path, e.is_dir)
 

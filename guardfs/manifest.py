@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import pathspec
 from pydantic import (
@@ -25,7 +25,7 @@ from pydantic import (
 
 from guardfs.errors import ManifestError
 
-__all__ = ["Limits", "Manifest", "Paths", "Task", "load_manifest", "parse_manifest"]
+__all__ = ["RULES", "Breaker", "Limits", "Manifest", "Paths", "Rule", "Task", "load_manifest", "parse_manifest"]
 
 # Paths no pattern should match unless it matches nearly everything: a random name at the
 # root, with an extension, and one directory down.
@@ -169,12 +169,55 @@ class Limits(_Strict):
     max_steps: Limit = Field(default=None, description="Optional turn budget; unlimited by default.")
 
 
+Rule = Literal[
+    "forbidden_path",
+    "scope_spill",
+    "blast_radius",
+    "oscillation",
+    "token_surge",
+    "token_velocity",
+    "repeated_action",
+    "stagnation",
+    "consecutive_failures",
+    "idle_transport",
+    "step_budget",
+]
+#: The breaker's rules, as named in ``[breaker] recoverable``.
+RULES: tuple[str, ...] = get_args(Rule)
+_RECOVERABLE: tuple[Rule, ...] = (
+    "scope_spill", "blast_radius", "oscillation", "token_surge", "token_velocity",
+    "repeated_action", "stagnation", "consecutive_failures",
+)
+
+
+class Breaker(_Strict):
+    """How the circuit breaker recovers from a trip."""
+
+    recoverable: list[Rule] = Field(
+        default_factory=lambda: list(_RECOVERABLE),
+        description=(
+            "Rules whose first trip is recoverable: the offending operation is refused and "
+            "the agent gets corrective feedback (HALF_OPEN_REANCHOR); a second violation is "
+            "terminal. Any other rule's trip is terminal at once. Default: all but "
+            "forbidden_path, idle_transport and step_budget."
+        ),
+    )
+    on_terminal: Literal["freeze", "stop"] = Field(
+        default="freeze",
+        description=(
+            "What a terminal trip does to the agent: 'freeze' its process tree for a human "
+            "(guard approve / guard stop), or 'stop' it. In --ci runs it is always 'stop'."
+        ),
+    )
+
+
 class Manifest(_Strict):
-    """A task's scope: the ``[task]``, ``[paths]`` and ``[limits]`` sections."""
+    """A task's scope: the ``[task]``, ``[paths]``, ``[limits]`` and ``[breaker]`` sections."""
 
     task: Task = Field(description="The task being governed.")
     paths: Paths = Field(default_factory=Paths, description="Scope of reads and writes.")
     limits: Limits = Field(default_factory=Limits, description="Breaker thresholds.")
+    breaker: Breaker = Field(default_factory=Breaker, description="Recovery from trips.")
 
     @property
     def read_only(self) -> bool:

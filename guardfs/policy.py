@@ -131,6 +131,11 @@ class PathPolicy:
         for name in type(lim).model_fields:
             value = getattr(lim, name)
             lines.append(f"  {name:<28} {'unlimited' if value is None else value}")
+        lines += [
+            "breaker:",
+            f"  recoverable                  {', '.join(m.breaker.recoverable) or '(none)'}",
+            f"  on_terminal                  {m.breaker.on_terminal}",
+        ]
         return "\n".join(lines)
 
 

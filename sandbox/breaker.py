@@ -1,0 +1,540 @@
+"""The circuit breaker: a pure, synchronous state machine.
+
+Inputs are filesystem requests (through guardfs's :class:`~guardfs.decision.Decider`
+protocol) and what the agent reports over the socket (steps with tokens, tool calls, tool
+results). Time is passed in, never read, so every rule tests in microseconds. No I/O: events
+go to an injected sink.
+
+States follow the classic breaker. CLOSED → (first recoverable trip) → HALF_OPEN_REANCHOR:
+the offending operation is refused with corrective feedback. A trip that had no operation
+of its own to refuse (a token surge, a repeated call) refuses the agent's next mutation or
+check instead, so the feedback reaches it. In HALF_OPEN, the next in-scope mutation or
+passing tool result closes the breaker; another violation makes it OPEN_<RULE>, terminal
+until an operator approves.
+"""
+
+from __future__ import annotations
+
+import collections
+import difflib
+import enum
+import itertools
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from guardfs.accounting import WriteAccounting
+from guardfs.decision import ALLOW, ERRNO_FORBIDDEN, ERRNO_LIMIT, LimitsDecider, Request, Verdict, policy_verdict
+from guardfs.manifest import Limits, Manifest
+from guardfs.policy import PathPolicy
+
+__all__ = ["Breaker", "Rule", "State", "Trip"]
+
+# A tool result counts as a passing test when the tool or its command names a test runner.
+_TEST_COMMAND = re.compile(r"\b(pytest|py\.test|unittest|tox|nox|jest|vitest|mocha|go test|cargo test|"
+                           r"npm (run )?test|yarn test|pnpm test|make (test|check)|ctest|rspec|phpunit)\b")
+# git stats every tracked file: a forbidden one it meets is refused, but is no trip.
+_BENIGN_LOOKUP_ACTORS = frozenset({"git"})
+
+
+class Rule(enum.StrEnum):
+    """The breakers of the design's table, named as in ``[breaker] recoverable``."""
+
+    FORBIDDEN_PATH = "forbidden_path"
+    SCOPE_SPILL = "scope_spill"
+    BLAST_RADIUS = "blast_radius"
+    OSCILLATION = "oscillation"
+    TOKEN_SURGE = "token_surge"
+    TOKEN_VELOCITY = "token_velocity"
+    REPEATED_ACTION = "repeated_action"
+    STAGNATION = "stagnation"
+    CONSECUTIVE_FAILURES = "consecutive_failures"
+    IDLE_TRANSPORT = "idle_transport"
+    STEP_BUDGET = "step_budget"
+
+
+class State(enum.StrEnum):
+    """Breaker states; every OPEN_* state is terminal until approved."""
+
+    CLOSED = "CLOSED"
+    HALF_OPEN_REANCHOR = "HALF_OPEN_REANCHOR"
+    OPEN_FORBIDDEN_PATH = "OPEN_FORBIDDEN_PATH"
+    OPEN_SCOPE_SPILL = "OPEN_SCOPE_SPILL"
+    OPEN_BLAST_RADIUS_EXCEEDED = "OPEN_BLAST_RADIUS_EXCEEDED"
+    OPEN_OSCILLATION_LOOP = "OPEN_OSCILLATION_LOOP"
+    OPEN_TOKEN_SURGE = "OPEN_TOKEN_SURGE"
+    OPEN_TOKEN_VELOCITY = "OPEN_TOKEN_VELOCITY"
+    OPEN_REPEATED_ACTION = "OPEN_REPEATED_ACTION"
+    OPEN_STAGNATION = "OPEN_STAGNATION"
+    OPEN_CONSECUTIVE_FAILURES = "OPEN_CONSECUTIVE_FAILURES"
+    OPEN_TRANSPORT_IDLE = "OPEN_TRANSPORT_IDLE"
+    OPEN_STEP_BUDGET = "OPEN_STEP_BUDGET"
+    OPEN_STOPPED = "OPEN_STOPPED"
+
+    @property
+    def terminal(self) -> bool:
+        """Whether the agent is halted until an operator acts."""
+        return self.value.startswith("OPEN_")
+
+
+_OPEN_STATE = {
+    Rule.FORBIDDEN_PATH: State.OPEN_FORBIDDEN_PATH,
+    Rule.SCOPE_SPILL: State.OPEN_SCOPE_SPILL,
+    Rule.BLAST_RADIUS: State.OPEN_BLAST_RADIUS_EXCEEDED,
+    Rule.OSCILLATION: State.OPEN_OSCILLATION_LOOP,
+    Rule.TOKEN_SURGE: State.OPEN_TOKEN_SURGE,
+    Rule.TOKEN_VELOCITY: State.OPEN_TOKEN_VELOCITY,
+    Rule.REPEATED_ACTION: State.OPEN_REPEATED_ACTION,
+    Rule.STAGNATION: State.OPEN_STAGNATION,
+    Rule.CONSECUTIVE_FAILURES: State.OPEN_CONSECUTIVE_FAILURES,
+    Rule.IDLE_TRANSPORT: State.OPEN_TRANSPORT_IDLE,
+    Rule.STEP_BUDGET: State.OPEN_STEP_BUDGET,
+}
+
+# The manifest key behind each rule, for feedback and approve.
+_LIMIT_KEY = {
+    Rule.BLAST_RADIUS: "max_files",
+    Rule.OSCILLATION: "max_rewrites",
+    Rule.TOKEN_SURGE: "max_window_tokens",
+    Rule.TOKEN_VELOCITY: "max_tokens_without_progress",
+    Rule.REPEATED_ACTION: "max_identical_calls",
+    Rule.CONSECUTIVE_FAILURES: "max_consecutive_failures",
+    Rule.STEP_BUDGET: "max_steps",
+}
+
+_WAY_BACK = {
+    Rule.FORBIDDEN_PATH: "Do not read or write that path; the task does not need it.",
+    Rule.SCOPE_SPILL: "Make the change inside the allowed paths, or stop and say why the task needs more.",
+    Rule.BLAST_RADIUS: "Finish with the files already changed; the task should not touch more.",
+    Rule.OSCILLATION: "You are rewriting the same code again. Step back, re-read the goal and the last "
+                      "test output, and choose one approach.",
+    Rule.TOKEN_SURGE: "Stop reading large outputs; narrow the next command (head, grep, a single test).",
+    Rule.TOKEN_VELOCITY: "Many tokens without a file change or a passing test: make one small, tested step.",
+    Rule.REPEATED_ACTION: "You already ran this exact call; its result will not change. Try something else.",
+    Rule.STAGNATION: "The last attempts are nearly identical and keep failing: change approach.",
+    Rule.CONSECUTIVE_FAILURES: "Several commands failed in a row: read the last error before the next step.",
+    Rule.IDLE_TRANSPORT: "No activity for too long.",
+    Rule.STEP_BUDGET: "The turn budget is spent.",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Trip:
+    """One trip: which rule, the state it led to, at which step, and why."""
+
+    rule: Rule
+    state: State
+    step: int
+    time: float
+    reason: str
+
+
+@dataclass(slots=True)
+class _Call:
+    """One tool call, for repetition and stagnation."""
+
+    text: str
+    failed: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What a socket message gets back: the state, and words for the agent when any."""
+
+    allow: bool
+    state: State
+    feedback: str = ""
+    warning: str = ""
+    trip: Trip | None = None
+
+
+@dataclass
+class _Counters:
+    steps: int = 0
+    tokens_total: int = 0
+    tokens_cached: int = 0
+    since_progress: int = 0
+    consecutive_failures: int = 0
+    window: collections.deque[int] = field(default_factory=collections.deque)
+    identical: collections.Counter[str] = field(default_factory=collections.Counter)
+    calls: list[_Call] = field(default_factory=list)
+
+
+class Breaker:
+    """The breaker for one run. Implements guardfs's Decider protocol.
+
+    *now* is the run's clock (the daemon passes trio's); *emit* receives events as
+    ``emit(op, path, decision, **fields)`` (an :class:`~guardfs.events.EventLog`'s ``emit``).
+    """
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        accounting: WriteAccounting,
+        now: Callable[[], float],
+        emit: Callable[..., Any] | None = None,
+    ) -> None:
+        self.manifest = manifest
+        self.limits: Limits = manifest.limits
+        self.accounting = accounting
+        self.policy = PathPolicy(manifest)
+        self.now = now
+        self._emit = emit or (lambda *a, **k: None)
+        self._limits_decider = LimitsDecider(self.limits, accounting)
+        self._recoverable = frozenset(Rule(r) for r in manifest.breaker.recoverable)
+        self.state = State.CLOSED
+        self.trips: list[Trip] = []
+        self.notes: list[dict[str, Any]] = []
+        self.checkpoints: list[dict[str, Any]] = []
+        self.last_feedback = ""
+        self.version = 0  # bumped on every change, for the ledger writer
+        self._refuse_next = False
+        self._c = _Counters()
+        self._last_activity: float | None = None  # armed by the first agent message
+
+    # ----- guardfs's Decider protocol -----------------------------------------------
+
+    def decide(self, request: Request, policy: Verdict) -> Verdict:
+        """Judge a filesystem request; a policy denial stays a denial and may trip."""
+        if not policy.allow:
+            rule = self._rule_for_denial(request, policy)
+            if rule is None:
+                return policy
+            return self._trip(rule, policy.reason, policy)
+        verdict = self._limits_decider.decide(request, policy)
+        if not verdict.allow:
+            rule = Rule.BLAST_RADIUS if verdict.rule == "limits.max_files" else Rule.OSCILLATION
+            return self._trip(rule, verdict.reason, verdict)
+        plan = request.rewrite
+        if plan is not None and plan.cycle:
+            reason = f"{plan.path} would return to an earlier version of itself (A→B→A)"
+            return self._trip(Rule.OSCILLATION, reason, Verdict(False, "oscillation", None, ERRNO_LIMIT, reason))
+        if request.mutating:
+            return self._gate(f"{request.op} {request.path}")
+        return ALLOW
+
+    def committed(self, request: Request) -> None:
+        """An allowed mutation landed: progress, unless it closed a content cycle."""
+        plan = request.rewrite
+        if plan is not None and plan.cycle:
+            self._trip(Rule.OSCILLATION, f"{plan.path} returned to an earlier version of itself (A→B→A)", None)
+            return
+        if request.where.scope.counted:
+            self._progress()
+
+    def _rule_for_denial(self, request: Request, policy: Verdict) -> Rule | None:
+        if policy.errno == ERRNO_FORBIDDEN:
+            if request.op == "lookup" and request.actor in _BENIGN_LOOKUP_ACTORS:
+                return None
+            return Rule.FORBIDDEN_PATH
+        return Rule.SCOPE_SPILL if request.mutating else None
+
+    # ----- what the agent reports -----------------------------------------------------
+
+    def hello(self, agent: str) -> Reply:
+        """An agent connected; arms the idle-transport breaker."""
+        self._touch()
+        self._emit("hello", "", "allow", agent=agent)
+        return Reply(not self.state.terminal, self.state)
+
+    def step(
+        self,
+        tokens_in: int = 0,
+        tokens_out: int = 0,
+        tokens_cached: int = 0,
+        tool: str | None = None,
+        args: Any = None,
+    ) -> Reply:
+        """One agent step (a model call), with its token usage and the tool it calls."""
+        self._touch()
+        c = self._c
+        tokens = tokens_in + tokens_out
+        c.steps += 1
+        c.tokens_total += tokens
+        c.tokens_cached += tokens_cached
+        c.since_progress += tokens
+        c.window.append(tokens)
+        while len(c.window) > self.limits.window_steps:
+            c.window.popleft()
+        self._changed()
+        warning = ""
+        if tool is not None:
+            reply = self._call(tool, args)
+            if reply.trip is not None:
+                return reply
+            warning = reply.warning
+        lim = self.limits
+        window = sum(c.window)
+        if lim.max_window_tokens is not None and window > lim.max_window_tokens:
+            return self._reply_trip(Rule.TOKEN_SURGE, (
+                f"{window} tokens in the last {len(c.window)} steps (max_window_tokens={lim.max_window_tokens})"))
+        if lim.max_tokens_without_progress is not None and c.since_progress > lim.max_tokens_without_progress:
+            return self._reply_trip(Rule.TOKEN_VELOCITY, (
+                f"{c.since_progress} tokens without a file change or a passing test "
+                f"(max_tokens_without_progress={lim.max_tokens_without_progress})"))
+        if lim.max_steps is not None and c.steps > lim.max_steps:
+            return self._reply_trip(Rule.STEP_BUDGET, f"step {c.steps} of max_steps={lim.max_steps}")
+        return Reply(not self.state.terminal, self.state, self._feedback_if_halted(), warning)
+
+    def tool_result(self, tool: str, exit_code: int, summary: str = "") -> Reply:
+        """A tool finished: failures in a row, stagnation, and passing tests as progress."""
+        self._touch()
+        c = self._c
+        if c.calls and c.calls[-1].failed is None:
+            c.calls[-1].failed = exit_code != 0
+        self._emit("tool_result", "", "allow", tool=tool, exit_code=exit_code)
+        if exit_code == 0:
+            c.consecutive_failures = 0
+            if _TEST_COMMAND.search(f"{tool} {summary} {c.calls[-1].text if c.calls else ''}"):
+                self._progress()
+            self._changed()
+            return Reply(not self.state.terminal, self.state, self._feedback_if_halted())
+        c.consecutive_failures += 1
+        self._changed()
+        limit = self.limits.max_consecutive_failures
+        if limit is not None and c.consecutive_failures >= limit:
+            return self._reply_trip(Rule.CONSECUTIVE_FAILURES, (
+                f"{c.consecutive_failures} failed tool calls in a row (max_consecutive_failures={limit})"))
+        if self._stagnating():
+            return self._reply_trip(Rule.STAGNATION, (
+                f"the last 3 tool inputs are over {self.limits.stagnation_similarity:.0%} alike and all failed"))
+        return Reply(not self.state.terminal, self.state, self._feedback_if_halted())
+
+    def check(self, tool: str, paths: Sequence[str], args: Any = None, mutating: bool = True) -> Reply:
+        """A pre-tool hook asks: may this call, on these workspace-relative paths, run?"""
+        self._touch()
+        if self.state.terminal:
+            return Reply(False, self.state, self.last_feedback)
+        trips = len(self.trips)
+        for path in paths:
+            where = self.policy.classify(path, False)
+            request = Request("check", path, where, mutating)
+            verdict = self.decide(request, policy_verdict(request))
+            if not verdict.allow:
+                trip = self.trips[-1] if len(self.trips) > trips else None
+                return Reply(False, self.state, verdict.reason, trip=trip)
+        if args is not None:
+            reply = self._call(tool, args)
+            if not reply.allow:
+                return reply
+            if reply.warning:
+                return reply
+        verdict = self._gate(f"{tool} call") if mutating else ALLOW
+        return Reply(verdict.allow, self.state, verdict.reason)
+
+    def note(self, kind: str, text: str) -> Reply:
+        """A hypothesis disproved or an active subtask, for the ledger."""
+        self._touch()
+        self.notes.append({"kind": kind, "text": text, "step": self._c.steps, "time": self.now()})
+        self._emit("note", "", "allow", kind=kind)
+        self._changed()
+        return Reply(True, self.state)
+
+    def activity(self) -> None:
+        """Output from the agent or any other sign of life (resets idle transport)."""
+        self._touch()
+
+    def tick(self) -> Reply | None:
+        """Time passed: the idle-transport breaker. Returns a reply when it tripped."""
+        if self._last_activity is None or self.state.terminal:
+            return None
+        idle = self.now() - self._last_activity
+        if idle > self.limits.idle_timeout_s:
+            self._last_activity = self.now()
+            return self._reply_trip(Rule.IDLE_TRANSPORT, (
+                f"no socket traffic and no output for {idle:.0f}s (idle_timeout_s={self.limits.idle_timeout_s:g})"))
+        return None
+
+    # ----- what an operator does --------------------------------------------------------
+
+    def approve(self, raise_to: int | None = None) -> Reply:
+        """Resume after a trip; optionally raise the limit that tripped to *raise_to*."""
+        last = self.trips[-1] if self.trips else None
+        if raise_to is not None:
+            key = _LIMIT_KEY.get(last.rule) if last is not None else None
+            if key is None:
+                return Reply(False, self.state, "approve --raise: the last trip has no numeric limit to raise")
+            current = getattr(self.limits, key)
+            if current is not None and raise_to <= current:
+                return Reply(False, self.state, f"approve --raise: {key} is {current}; raise it above that")
+            self.limits = self.limits.model_copy(update={key: raise_to})
+            self._limits_decider.limits = self.limits
+        before = self.state
+        self.state = State.CLOSED
+        self._refuse_next = False
+        c = self._c
+        c.window.clear()
+        c.since_progress = 0
+        c.consecutive_failures = 0
+        c.identical.clear()
+        c.calls.clear()
+        self.last_feedback = ""
+        self._emit("approve", "", "allow", state=before.value, raise_to=raise_to)
+        self._changed()
+        return Reply(True, self.state)
+
+    def stop(self) -> Reply:
+        """An operator stops the run: terminal, whatever the state."""
+        self.state = State.OPEN_STOPPED
+        self.last_feedback = "guard: the operator stopped this run."
+        self._emit("stop", "", "deny", state=self.state.value)
+        self._changed()
+        return Reply(False, self.state, self.last_feedback)
+
+    def checkpoint(self, label: str = "") -> Reply:
+        """Mark a checkpoint (a known-good point): counts as progress."""
+        entry = {"id": len(self.checkpoints) + 1, "label": label, "step": self._c.steps, "time": self.now()}
+        self.checkpoints.append(entry)
+        self._progress()
+        self._emit("checkpoint", "", "allow", id=entry["id"], label=label or None)
+        self._changed()
+        return Reply(True, self.state)
+
+    # ----- internals ------------------------------------------------------------------
+
+    def _touch(self) -> None:
+        self._last_activity = self.now()
+
+    def _changed(self) -> None:
+        self.version += 1
+
+    def _progress(self) -> None:
+        self._c.since_progress = 0
+        if self.state is State.HALF_OPEN_REANCHOR and not self._refuse_next:
+            self.state = State.CLOSED
+            self.last_feedback = ""
+            self._emit("breaker", "", "allow", state=State.CLOSED.value, reason="back in scope, progress made")
+        self._changed()
+
+    def _gate(self, what: str) -> Verdict:
+        """Mutations and tool calls while the breaker is not closed."""
+        if self.state.terminal:
+            return Verdict(False, f"breaker {self.state.value}", None, ERRNO_LIMIT, self.last_feedback)
+        if self._refuse_next:
+            self._refuse_next = False
+            self._changed()
+            self._emit("breaker", what, "deny", state=self.state.value, reason="delivering feedback")
+            return Verdict(False, f"breaker {self.state.value}", None, ERRNO_LIMIT, self.last_feedback)
+        return ALLOW
+
+    def _feedback_if_halted(self) -> str:
+        return self.last_feedback if self.state is not State.CLOSED else ""
+
+    def _call(self, tool: str, args: Any) -> Reply:
+        """Repetition and stagnation bookkeeping for one tool call."""
+        c = self._c
+        text = tool + " " + json.dumps(args, sort_keys=True, default=str)
+        c.calls.append(_Call(text))
+        del c.calls[:-8]
+        c.identical[text] += 1
+        n = c.identical[text]
+        limit = self.limits.max_identical_calls
+        if limit is not None and n >= limit:
+            return self._reply_trip(Rule.REPEATED_ACTION, (
+                f"the same {tool} call, with the same arguments, for the {n}th time (max_identical_calls={limit})"))
+        if n >= 2:
+            return Reply(True, self.state, warning=(
+                f"guard: warning: this exact {tool} call was already made {n - 1} time(s); "
+                f"the {limit}th is refused"))
+        return Reply(True, self.state)
+
+    def _stagnating(self) -> bool:
+        calls = self._c.calls[-3:]
+        if len(calls) < 3 or not all(call.failed for call in calls):
+            return False
+        threshold = self.limits.stagnation_similarity
+        return all(
+            difflib.SequenceMatcher(None, a.text, b.text).ratio() > threshold
+            for a, b in itertools.pairwise(calls)
+        )
+
+    def _reply_trip(self, rule: Rule, reason: str) -> Reply:
+        verdict = self._trip(rule, reason, None)
+        return Reply(False, self.state, verdict.reason, trip=self.trips[-1])
+
+    def _trip(self, rule: Rule, reason: str, refused: Verdict | None) -> Verdict:
+        """Record a trip and move the state; returns the denial carrying the feedback.
+
+        *refused* is the operation being refused for it, if the trip has one.
+        """
+        if self.state.terminal:
+            err = refused.errno if refused is not None else ERRNO_LIMIT
+            return Verdict(False, f"breaker {self.state.value}", None, err, self.last_feedback or reason)
+        if self.state is State.CLOSED and rule in self._recoverable:
+            self.state = State.HALF_OPEN_REANCHOR
+            self._refuse_next = refused is None  # nothing refused yet: refuse the next act
+        else:
+            self.state = _OPEN_STATE[rule]
+            self._refuse_next = False
+        trip = Trip(rule, self.state, self._c.steps, self.now(), reason)
+        self.trips.append(trip)
+        self.last_feedback = self.feedback(trip)
+        self._emit("trip", "", "deny", rule=rule.value, state=self.state.value, step=trip.step, reason=reason)
+        self._changed()
+        err = refused.errno if refused is not None else ERRNO_LIMIT
+        rule_key = refused.rule if refused is not None else _limit_rule(rule)
+        pattern = refused.pattern if refused is not None else None
+        return Verdict(False, rule_key, pattern, err, self.last_feedback)
+
+    def feedback(self, trip: Trip) -> str:
+        """The corrective words: what was refused and why, the goal, the scope, the budget."""
+        m = self.manifest
+        lim = self.limits
+        files = f"{self.accounting.distinct} of {lim.max_files if lim.max_files is not None else 'unlimited'}"
+        window = sum(self._c.window)
+        if self.state.terminal:
+            status = (f"The breaker is now {self.state.value}: further changes are refused until a human "
+                      "approves (guard approve) or stops (guard stop) the run.")
+        else:
+            status = ("The breaker is HALF_OPEN: the next step must be back in scope and make progress; "
+                      "another violation halts the run.")
+        return "\n".join([
+            f"guard: refused: {trip.reason}",
+            f"Rule: {trip.rule.value}" + (f" (limits.{_LIMIT_KEY[trip.rule]})" if trip.rule in _LIMIT_KEY else ""),
+            f"Task {m.task.id}: {m.task.goal}",
+            f"Scope: writes only in {', '.join(m.paths.allowed) or 'nowhere (read-only)'}; "
+            f"never touch {', '.join(m.paths.forbidden) or 'nothing forbidden'}.",
+            f"Used: {files} files, {self._c.tokens_total} tokens ({window} in the last {len(self._c.window)} "
+            f"steps), step {self._c.steps}.",
+            f"The way back: {_WAY_BACK[trip.rule]}",
+            status,
+            "Read .guard/STATE.md for the full state.",
+        ])
+
+    # ----- the ledger's view ---------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything the ledger shows, as JSON-ready data."""
+        m, lim, c = self.manifest, self.limits, self._c
+        files = self.accounting.summary()
+        return {
+            "task": {"id": m.task.id, "goal": m.task.goal},
+            "scope": {
+                "allowed": list(m.paths.allowed),
+                "forbidden": list(m.paths.forbidden),
+                "invariants": [".guard/ is read-only", ".git/hooks/ is read-only",
+                               ".git/config is read-only if it existed at the start",
+                               f"git internals are {m.paths.git_internals}"],
+            },
+            "state": self.state.value,
+            "files": {"distinct": files["distinct_files"], "max": lim.max_files, "list": files["files"]},
+            "tokens": {"total": c.tokens_total, "cached": c.tokens_cached, "window": sum(c.window),
+                       "window_steps": lim.window_steps, "max_window": lim.max_window_tokens,
+                       "since_progress": c.since_progress},
+            "steps": c.steps,
+            "consecutive_failures": c.consecutive_failures,
+            "trips": [{"rule": t.rule.value, "state": t.state.value, "step": t.step, "time": t.time,
+                       "reason": t.reason} for t in self.trips],
+            "last_feedback": self.last_feedback,
+            "notes": list(self.notes),
+            "checkpoints": list(self.checkpoints),
+            "limits": lim.model_dump(),
+        }
+
+
+def _limit_rule(rule: Rule) -> str:
+    key = _LIMIT_KEY.get(rule)
+    return f"limits.{key}" if key else f"breaker.{rule.value}"
+

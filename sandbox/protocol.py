@@ -1,0 +1,164 @@
+"""The socket protocol: newline-delimited JSON, one reply line per request.
+
+Every message is a pydantic model with a version field ``v`` (now 1) and a ``type``.
+The agent socket speaks :data:`AgentMessage`: it can report and ask, never loosen a limit.
+The control socket speaks :data:`ControlMessage`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+__all__ = [
+    "MAX_LINE",
+    "VERSION",
+    "AgentMessage",
+    "ControlMessage",
+    "ProtocolError",
+    "error_reply",
+    "parse_agent",
+    "parse_control",
+]
+
+VERSION = 1
+#: The longest request line accepted, in bytes (newline included).
+MAX_LINE = 64 * 1024
+
+_Count = Annotated[int, Field(ge=0, le=100_000_000)]
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: Literal[1] = Field(default=1, description="Protocol version.")
+
+
+class Hello(_Msg):
+    """An agent (or its hook, or a harness) introduces itself; arms idle detection."""
+
+    type: Literal["hello"]
+    agent: Annotated[str, Field(max_length=200)] = Field(default="unknown", description="Agent name.")
+
+
+class Step(_Msg):
+    """One model call: its token usage and, when known, the tool it decided to call."""
+
+    type: Literal["step"]
+    tokens_in: _Count = Field(default=0, description="Input tokens of the call (uncached).")
+    tokens_out: _Count = Field(default=0, description="Output tokens of the call.")
+    tokens_cached: _Count = Field(default=0, description="Cached input tokens (reported, not limited).")
+    tool: Annotated[str, Field(max_length=200)] | None = Field(default=None, description="Tool called.")
+    args: Any = Field(default=None, description="The tool's arguments (any JSON).")
+
+
+class ToolResult(_Msg):
+    """A tool finished with an exit code (0 is success)."""
+
+    type: Literal["tool_result"]
+    tool: Annotated[str, Field(max_length=200)]
+    exit_code: Annotated[int, Field(ge=-255, le=255)]
+    summary: Annotated[str, Field(max_length=4000)] = Field(default="", description="Command or short output.")
+
+
+class Check(_Msg):
+    """May this tool call, on these paths, run? Asked by pre-tool hooks."""
+
+    type: Literal["check"]
+    tool: Annotated[str, Field(max_length=200)]
+    paths: list[Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=list, max_length=256,
+        description="Target paths, relative to the workspace root or absolute inside it.",
+    )
+    args: Any = Field(default=None, description="The call's arguments, for repetition checks.")
+    mutating: bool = Field(default=True, description="Whether the tool writes its paths.")
+
+
+class Note(_Msg):
+    """A note for the ledger: a hypothesis disproved, the active subtask, or free text."""
+
+    type: Literal["note"]
+    kind: Literal["disproved", "subtask", "note"] = "note"
+    text: Annotated[str, Field(min_length=1, max_length=4000)]
+
+
+class Status(_Msg):
+    """The breaker's state and the ledger."""
+
+    type: Literal["status"]
+
+
+class Approve(_Msg):
+    """Resume after a trip; optionally raise the limit that tripped."""
+
+    type: Literal["approve"]
+    raise_to: Annotated[int, Field(ge=1)] | None = Field(default=None, description="New value of that limit.")
+
+
+class Stop(_Msg):
+    """Stop the run."""
+
+    type: Literal["stop"]
+
+
+class Checkpoint(_Msg):
+    """Mark a known-good point."""
+
+    type: Literal["checkpoint"]
+    label: Annotated[str, Field(max_length=200)] = ""
+
+
+AgentMessage = Annotated[Hello | Step | ToolResult | Check | Note | Status, Field(discriminator="type")]
+ControlMessage = Annotated[Status | Approve | Stop | Checkpoint, Field(discriminator="type")]
+_AGENT: TypeAdapter[AgentMessage] = TypeAdapter(AgentMessage)
+_CONTROL: TypeAdapter[ControlMessage] = TypeAdapter(ControlMessage)
+_AGENT_TYPES = ("hello", "step", "tool_result", "check", "note", "status")
+_CONTROL_TYPES = ("status", "approve", "stop", "checkpoint")
+
+
+class ProtocolError(ValueError):
+    """A request line that is not a valid message; the text names the problem."""
+
+
+def _parse(line: bytes, adapter: TypeAdapter[Any], allowed: tuple[str, ...], socket: str) -> Any:
+    try:
+        data = json.loads(line)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ProtocolError(f"not valid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise ProtocolError("a message must be a JSON object with a 'type'")
+    kind = data.get("type")
+    if kind not in allowed:
+        hint = ""
+        if socket == "agent" and kind in ("approve", "stop", "checkpoint"):
+            hint = ": the agent socket can report and ask, never approve, stop or loosen a limit"
+        raise ProtocolError(f"unknown message type {kind!r} on the {socket} socket "
+                            f"(expected one of {', '.join(allowed)}){hint}")
+    if data.get("v", VERSION) != VERSION:
+        raise ProtocolError(f"unsupported protocol version {data.get('v')!r}; this guard speaks v{VERSION}")
+    try:
+        return adapter.validate_python(data)
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'][1:]) or e['loc'][0]}: {e['msg']}" for e in err.errors()
+        )
+        raise ProtocolError(f"invalid {kind} message: {problems}") from err
+
+
+def parse_agent(line: bytes) -> Hello | Step | ToolResult | Check | Note | Status:
+    """Parse one agent-socket line; raise ProtocolError naming the problem."""
+    result: Hello | Step | ToolResult | Check | Note | Status = _parse(line, _AGENT, _AGENT_TYPES, "agent")
+    return result
+
+
+def parse_control(line: bytes) -> Status | Approve | Stop | Checkpoint:
+    """Parse one control-socket line; raise ProtocolError naming the problem."""
+    result: Status | Approve | Stop | Checkpoint = _parse(line, _CONTROL, _CONTROL_TYPES, "control")
+    return result
+
+
+def error_reply(message: str) -> dict[str, Any]:
+    """The reply to a bad request."""
+    return {"v": VERSION, "ok": False, "error": message}

@@ -1,0 +1,45 @@
+"""``.guard/STATE.md``: a read-only virtual file, current at every read."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .conftest import Guarded, git_env
+
+
+def test_state_file_is_current_and_read_only(guarded: Guarded, tmp_path: Path) -> None:
+    state = guarded.mnt / ".guard/STATE.md"
+    first = state.read_text()
+    assert "Fix the tax rounding helper" in first
+    assert "files mutated: 0 of unlimited" in first
+    (guarded.mnt / "src/checkout").mkdir(parents=True)
+    (guarded.mnt / "src/checkout/tax.py").write_text("x = 1\n")
+    assert "files mutated: 1 of unlimited" in state.read_text()
+    assert os.stat(state).st_size == len(state.read_bytes())
+    for action in (
+        lambda: state.write_text("forged"),
+        lambda: os.unlink(state),
+        lambda: os.rename(state, guarded.mnt / "src/checkout/STATE.md"),
+        lambda: (guarded.mnt / ".guard/other").write_text("x"),
+        lambda: os.mkdir(guarded.mnt / ".guard/d"),
+        lambda: os.rmdir(guarded.mnt / ".guard"),
+        lambda: os.chmod(state, 0o644),
+        lambda: os.setxattr(state, "user.x", b"1"),
+    ):
+        with pytest.raises(OSError) as info:
+            action()
+        assert info.value.errno == errno.EROFS
+    assert not (guarded.backing / ".guard").exists()
+    # Reachable by name, listed inside .guard/, but not in the root listing.
+    assert os.listdir(guarded.mnt / ".guard") == ["STATE.md"]
+    assert ".guard" not in os.listdir(guarded.mnt)
+    env = git_env(tmp_path)
+    subprocess.run(["git", "init", "-q"], cwd=guarded.mnt, env=env, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=guarded.mnt, env=env, check=True)
+    listed = subprocess.run(["git", "ls-files"], cwd=guarded.mnt, env=env, check=True, capture_output=True, text=True)
+    assert ".guard" not in listed.stdout
