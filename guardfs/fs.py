@@ -147,6 +147,7 @@ class GuardFS(pyfuse3.Operations):
         decider: Decider | None = None,
         cache_timeout: float = 60.0,
         state_text: Callable[[], str] | None = None,
+        accounting: WriteAccounting | None = None,
     ) -> None:
         """Serve *backing* under *manifest*; *state_text* renders ``.guard/STATE.md``."""
         super().__init__()
@@ -155,7 +156,7 @@ class GuardFS(pyfuse3.Operations):
         root = os.stat(self.backing.root_fd)
         self._root_dev = root.st_dev
         self.inodes = InodeTable(self.policy, root.st_ino)
-        self.accounting = WriteAccounting()
+        self.accounting = accounting if accounting is not None else WriteAccounting()
         self.decider: Decider = decider or LimitsDecider(manifest.limits, self.accounting)
         self.events = events
         self.limits = manifest.limits

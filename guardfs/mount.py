@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import pyfuse3
 import trio
@@ -37,10 +37,17 @@ def mount_options(name: str = "guardfs") -> set[str]:
     return options
 
 
-async def _serve(fs: GuardFS, handle_signals: bool, on_ready: Callable[[], None] | None) -> None:
+async def _serve(
+    fs: GuardFS,
+    handle_signals: bool,
+    on_ready: Callable[[], None] | None,
+    companions: Sequence[Callable[[], Awaitable[None]]],
+) -> None:
     async with trio.open_nursery() as nursery:
         if handle_signals:
             nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
+        for companion in companions:
+            nursery.start_soon(companion)
         if on_ready is not None:
             on_ready()
         await pyfuse3.main()
@@ -62,11 +69,13 @@ def serve(
     handle_signals: bool = True,
     on_ready: Callable[[], None] | None = None,
     options: set[str] | None = None,
+    companions: Sequence[Callable[[], Awaitable[None]]] = (),
 ) -> None:
     """Mount *fs* at *mountpoint* and serve until a signal or an external unmount.
 
     The mount is always removed before this returns, also when the loop fails.
     *options* replaces :func:`mount_options` (tests use it to drop ``default_permissions``).
+    *companions* run in the same trio loop (the breaker daemon) and are cancelled with it.
     """
     check_fuse_available()
     if not os.path.isdir(mountpoint):
@@ -76,7 +85,7 @@ def serve(
     except RuntimeError as err:
         raise MountError(f"cannot mount at {mountpoint}: {err}") from err
     try:
-        trio.run(_serve, fs, handle_signals, on_ready)
+        trio.run(_serve, fs, handle_signals, on_ready, companions)
     finally:
         pyfuse3.close(unmount=True)
         fs.close()

@@ -28,7 +28,7 @@ from typing import Any
 from guardfs.accounting import WriteAccounting
 from guardfs.decision import ALLOW, ERRNO_FORBIDDEN, ERRNO_LIMIT, LimitsDecider, Request, Verdict, policy_verdict
 from guardfs.manifest import Limits, Manifest
-from guardfs.policy import PathPolicy
+from guardfs.policy import Classification, PathPolicy, Scope
 
 __all__ = ["Breaker", "Rule", "State", "Trip"]
 
@@ -302,14 +302,22 @@ class Breaker:
                 f"the last 3 tool inputs are over {self.limits.stagnation_similarity:.0%} alike and all failed"))
         return Reply(not self.state.terminal, self.state, self._feedback_if_halted())
 
-    def check(self, tool: str, paths: Sequence[str], args: Any = None, mutating: bool = True) -> Reply:
-        """A pre-tool hook asks: may this call, on these workspace-relative paths, run?"""
+    def check(
+        self, tool: str, paths: Sequence[str], args: Any = None, mutating: bool = True,
+        outside: Sequence[str] = (),
+    ) -> Reply:
+        """A pre-tool hook asks: may this call, on these workspace-relative paths, run?
+
+        *outside* are absolute paths outside the workspace: writing them is a scope spill.
+        """
         self._touch()
         if self.state.terminal:
             return Reply(False, self.state, self.last_feedback)
         trips = len(self.trips)
-        for path in paths:
-            where = self.policy.classify(path, False)
+        targets = [(p, self.policy.classify(p, False)) for p in paths]
+        if mutating:
+            targets += [(p, Classification(Scope.OUT_OF_SCOPE, "outside the workspace")) for p in outside]
+        for path, where in targets:
             request = Request("check", path, where, mutating)
             verdict = self.decide(request, policy_verdict(request))
             if not verdict.allow:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from guardfs.errors import ManifestError, MountError
@@ -38,8 +41,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="guard",
         description="Keep an autonomous coding agent inside the scope of its task.",
         epilog=(
-            "exit statuses: 0 ok, 64 bad usage, 65 invalid manifest, "
-            "69 FUSE unavailable, 70 internal error"
+            "exit statuses: 0 ok, 64 bad usage, 65 invalid manifest or rejected message, "
+            "69 FUSE or the guard unavailable, 70 internal error, 75 the run was stopped"
         ),
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log every denial to stderr")
@@ -69,13 +72,44 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     mount.add_argument("--manifest", metavar="M", help="scope manifest (TOML)")
-    mount.add_argument("--events", metavar="FILE", help="append events as JSON lines to FILE")
+    mount.add_argument(
+        "--run-dir", metavar="D",
+        help="run the breaker daemon: agent.sock, control.sock, ledger.json, STATE.md and "
+             "events.jsonl in D (created if missing)",
+    )
+    mount.add_argument("--events", metavar="FILE", help="append events as JSON lines to FILE "
+                       "(default with --run-dir: D/events.jsonl)")
     mount.add_argument(
         "--cache-timeout", metavar="S", type=float, default=60.0,
         help="seconds the kernel may cache entries and attributes (default 60)",
     )
     mount.add_argument("backing", metavar="BACKING", help="the real workspace directory")
     mount.add_argument("mountpoint", metavar="MOUNTPOINT", help="where the guarded view appears")
+
+    for name, text in (
+        ("status", "print the breaker's state and the ledger of a running guard"),
+        ("approve", "resume a run after a trip (optionally raising the limit that tripped)"),
+        ("stop", "stop a run"),
+        ("checkpoint", "mark a known-good point in a run"),
+    ):
+        cmd = sub.add_parser(name, help=text, description=text + " (over the control socket in D).")
+        cmd.add_argument("--run-dir", metavar="D", required=True, help="the run directory of the guard")
+        if name == "status":
+            cmd.add_argument("--json", action="store_true", help="print the ledger as JSON")
+        if name == "approve":
+            cmd.add_argument("--raise", dest="raise_to", metavar="N", type=int,
+                             help="new value for the limit that tripped (must be higher)")
+        if name == "checkpoint":
+            cmd.add_argument("--label", default="", help="a name for the checkpoint")
+
+    feed = sub.add_parser(
+        "feed",
+        help="send protocol messages (JSON lines on stdin) to the agent socket, print each reply",
+        description="Read protocol messages, one JSON object per line, from stdin; send each to "
+                    "the agent socket (GUARD_SOCKET or --socket); print each reply line. Exits 65 "
+                    "if any message was rejected, 69 if the guard cannot be reached.",
+    )
+    feed.add_argument("--socket", metavar="PATH", help="the agent socket (default: $GUARD_SOCKET)")
 
     sub.add_parser(
         "demo",
@@ -111,14 +145,99 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         from guardfs.mount import serve
     except ImportError as err:
         raise MountError(f"libfuse 3 is not usable ({err}); install fuse3 and libfuse3-3") from err
-    events = EventLog(args.events)
+    run_dir = Path(args.run_dir).resolve() if args.run_dir else None
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    events = EventLog(args.events or (run_dir / "events.jsonl" if run_dir else None))
     try:
-        fs = GuardFS(args.backing, manifest, events, cache_timeout=args.cache_timeout)
-        os.umask(0)  # the kernel already applied the caller's umask to every mode we get
-        serve(fs, args.mountpoint, on_ready=lambda: log.info("serving %s at %s", args.backing, args.mountpoint))
+        if run_dir is None:
+            fs = GuardFS(args.backing, manifest, events, cache_timeout=args.cache_timeout)
+            os.umask(0)  # the kernel already applied the caller's umask to every mode we get
+            serve(fs, args.mountpoint, on_ready=lambda: log.info("serving %s at %s", args.backing, args.mountpoint))
+            return Exit.OK
+        return _mount_with_daemon(args, manifest, events, run_dir)
     finally:
         events.close()
+
+
+def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: EventLog, run_dir: Path) -> int:
+    import pyfuse3
+
+    from guardfs.accounting import WriteAccounting
+    from guardfs.fs import GuardFS
+    from guardfs.mount import serve
+    from sandbox.breaker import Breaker, State
+    from sandbox.daemon import Daemon, RunDirBusy
+
+    accounting = WriteAccounting()
+    breaker = Breaker(manifest, accounting, now=time.time, emit=events.emit)
+    daemon = Daemon(breaker, run_dir, args.mountpoint, events, on_stop=pyfuse3.terminate)
+    try:
+        daemon.prepare()
+    except RunDirBusy as err:
+        print(f"guard mount: {err}", file=sys.stderr)
+        return Exit.USAGE
+    try:
+        fs = GuardFS(args.backing, manifest, events, breaker, args.cache_timeout, daemon.state_text, accounting)
+        os.umask(0)
+        print(f"guard: run directory {run_dir} (agent socket {daemon.agent_path})", file=sys.stderr)
+        serve(fs, args.mountpoint, companions=[daemon.run])
+    finally:
+        daemon.cleanup()
+    return Exit.TRIPPED if breaker.state is State.OPEN_STOPPED else Exit.OK
+
+
+def _cmd_control(args: argparse.Namespace) -> int:
+    from sandbox.client import GuardClient, GuardClientError, control_socket_path
+    from sandbox.ledger import render_state
+
+    try:
+        with GuardClient(control_socket_path(args.run_dir)) as guard:
+            if args.command == "status":
+                reply = guard.status()
+            elif args.command == "approve":
+                reply = guard.approve(args.raise_to)
+            elif args.command == "stop":
+                reply = guard.stop()
+            else:
+                reply = guard.checkpoint(args.label)
+    except GuardClientError as err:
+        print(f"guard {args.command}: {err}", file=sys.stderr)
+        return Exit.UNAVAILABLE
+    if args.command == "status":
+        print(json.dumps(reply["ledger"], indent=2) if args.json else render_state(reply["ledger"]), end="")
+        return Exit.OK
+    print(f"state: {reply['state']}")
+    if not reply.get("allow", True) and args.command == "approve":
+        print(f"guard approve: {reply.get('feedback', 'refused')}", file=sys.stderr)
+        return Exit.USAGE
     return Exit.OK
+
+
+def _cmd_feed(args: argparse.Namespace) -> int:
+    from sandbox.client import GuardClient, GuardClientError, GuardUnreachable
+
+    rejected = False
+    try:
+        with GuardClient(args.socket) as guard:
+            for line in sys.stdin:
+                if not line.strip():
+                    continue
+                try:
+                    message = json.loads(line)
+                    if not isinstance(message, dict):
+                        raise ValueError("a message must be a JSON object")
+                    reply = guard.request(message)
+                except GuardUnreachable:
+                    raise
+                except (ValueError, GuardClientError) as err:
+                    rejected = True
+                    reply = {"v": 1, "ok": False, "error": str(err)}
+                print(json.dumps(reply), flush=True)
+    except GuardClientError as err:
+        print(f"guard feed: {err}", file=sys.stderr)
+        return Exit.UNAVAILABLE
+    return Exit.DATAERR if rejected else Exit.OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -135,6 +254,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from sandbox.demo import run_demo
 
             return run_demo()
+        if args.command in ("status", "approve", "stop", "checkpoint"):
+            return _cmd_control(args)
+        if args.command == "feed":
+            return _cmd_feed(args)
         return _cmd_mount(args)
     except ManifestError as err:
         print(f"guard: {err}", file=sys.stderr)

@@ -14,28 +14,27 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyfuse3
 import pytest
 import trio
 
+from guardfs.accounting import WriteAccounting
 from guardfs.decision import Decider
 from guardfs.events import EventLog
+from guardfs.fs import GuardFS
 from guardfs.manifest import parse_manifest
+from guardfs.mount import serve
+from sandbox.breaker import Breaker
+from sandbox.daemon import Daemon
 
 from .helpers import wait_for
-
-if not os.path.exists("/dev/fuse"):
-    pytest.skip("/dev/fuse is missing: FUSE tests need it", allow_module_level=True)
-
-import pyfuse3
-
-from guardfs.fs import GuardFS
-from guardfs.mount import serve
 
 CHECKOUT_MANIFEST = """
 [task]
@@ -61,6 +60,7 @@ class Guarded:
     mnt: Path
     events_path: Path
     calls: dict[str, int] = field(default_factory=dict)
+    daemon: Daemon | None = None
 
     def events(self) -> list[dict[str, Any]]:
         """Every event written so far."""
@@ -97,50 +97,86 @@ def guarded_mount(
     cache_timeout: float = 60.0,
     options: set[str] | None = None,
     count_calls: bool = False,
+    run_dir: Path | None = None,
 ) -> Iterator[Guarded]:
-    """Mount ``root/backing`` at ``root/mnt`` and serve it from a thread."""
+    """Mount ``root/backing`` at ``root/mnt`` and serve it from a thread.
+
+    With *run_dir*, the breaker daemon runs in the same loop, as ``guard mount --run-dir``.
+    """
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("/dev/fuse is missing: this test needs a real FUSE mount")
     backing, mnt = root / "backing", root / "mnt"
     backing.mkdir(exist_ok=True)
     mnt.mkdir(exist_ok=True)
     events_path = root / "events.jsonl"
     events = EventLog(events_path)
-    fs = GuardFS(str(backing), parse_manifest(manifest), events, decider, cache_timeout)
-    g = Guarded(fs, backing, mnt, events_path)
+    parsed = parse_manifest(manifest)
+    daemon = None
+    companions: list[Any] = []
+    state_text = None
+    accounting = WriteAccounting()
+    if run_dir is not None:
+        breaker = Breaker(parsed, accounting, now=time.time, emit=events.emit)
+        daemon = Daemon(breaker, run_dir, str(mnt), events, on_stop=pyfuse3.terminate)
+        daemon.prepare()
+        decider, state_text = breaker, daemon.state_text
+        companions.append(daemon.run)
+    fs = GuardFS(str(backing), parsed, events, decider, cache_timeout, state_text, accounting)
+    g = Guarded(fs, backing, mnt, events_path, daemon=daemon)
     if count_calls:
         _counting(fs, g.calls)
-    token: list[trio.lowlevel.TrioToken] = []
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            serve(
-                fs, str(mnt), handle_signals=False, options=options,
-                on_ready=lambda: token.append(trio.lowlevel.current_trio_token()),
-            )
-        except BaseException as err:  # reported by the teardown below
-            failure.append(err)
-
-    thread = threading.Thread(target=run, name="guardfs-server", daemon=True)
-    thread.start()
+    server = _ServerThread(fs, mnt, options, companions)
     try:
-        wait_for(lambda: bool(failure) or (bool(token) and os.path.ismount(mnt)), "the mount")
-        if failure:
-            raise failure[0]
+        server.start()
         yield g
     finally:
-        if token and thread.is_alive():
-            with contextlib.suppress(trio.RunFinishedError):  # it stopped by itself meanwhile
-                trio.from_thread.run_sync(pyfuse3.terminate, trio_token=token[0])
-        thread.join(timeout=20)
+        server.stop()
+        if daemon is not None:
+            daemon.cleanup()
         events.close()
-        still_mounted = os.path.ismount(mnt)
-        if still_mounted:
-            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
-        assert not thread.is_alive(), "the guardfs server thread did not exit"
-        assert not still_mounted, f"{mnt} was still mounted after the server stopped"
-        if failure and not isinstance(failure[0], Exception):
-            raise failure[0]
-        assert not failure, f"the server failed: {failure[0]!r}"
+        server.check_clean()
+
+
+class _ServerThread:
+    """serve() in a thread of the test process; stopped and checked in teardown."""
+
+    def __init__(self, fs: GuardFS, mnt: Path, options: set[str] | None, companions: list[Any]) -> None:
+        self.fs, self.mnt, self.options, self.companions = fs, mnt, options, companions
+        self.token: list[trio.lowlevel.TrioToken] = []
+        self.failure: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, name="guardfs-server", daemon=True)
+        self.still_mounted = False
+
+    def _run(self) -> None:
+        try:
+            serve(
+                self.fs, str(self.mnt), handle_signals=False, options=self.options, companions=self.companions,
+                on_ready=lambda: self.token.append(trio.lowlevel.current_trio_token()),
+            )
+        except BaseException as err:  # reported by check_clean()
+            self.failure.append(err)
+
+    def start(self) -> None:
+        self.thread.start()
+        wait_for(lambda: bool(self.failure) or (bool(self.token) and os.path.ismount(self.mnt)), "the mount")
+        if self.failure:
+            raise self.failure[0]
+
+    def stop(self) -> None:
+        if self.token and self.thread.is_alive():
+            with contextlib.suppress(trio.RunFinishedError):  # it stopped by itself meanwhile
+                trio.from_thread.run_sync(pyfuse3.terminate, trio_token=self.token[0])
+        self.thread.join(timeout=20)
+        self.still_mounted = os.path.ismount(self.mnt)
+        if self.still_mounted:
+            subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], check=False)
+
+    def check_clean(self) -> None:
+        assert not self.thread.is_alive(), "the guardfs server thread did not exit"
+        assert not self.still_mounted, f"{self.mnt} was still mounted after the server stopped"
+        if self.failure and not isinstance(self.failure[0], Exception):
+            raise self.failure[0]
+        assert not self.failure, f"the server failed: {self.failure[0]!r}"
 
 
 @pytest.fixture

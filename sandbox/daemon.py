@@ -1,0 +1,274 @@
+"""The breaker daemon: two Unix sockets, the ledger writer and the idle ticker, on trio.
+
+It runs in the same trio loop as the FUSE server, so the breaker is only ever touched
+from one thread and needs no lock. Each connection is its own task: a malformed line, an
+oversized line, a silent or slow client affects that connection alone.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from guardfs.events import EventLog
+from sandbox.breaker import Breaker, Reply
+from sandbox.ledger import render_state, write_ledger
+from sandbox.protocol import (
+    MAX_LINE,
+    VERSION,
+    Approve,
+    Check,
+    Checkpoint,
+    Hello,
+    Note,
+    ProtocolError,
+    Status,
+    Step,
+    Stop,
+    ToolResult,
+    error_reply,
+    parse_agent,
+    parse_control,
+)
+
+__all__ = ["AGENT_SOCKET", "CONTROL_SOCKET", "Daemon", "RunDirBusy"]
+
+log = logging.getLogger(__name__)
+
+AGENT_SOCKET = "agent.sock"
+CONTROL_SOCKET = "control.sock"
+#: A connection that sends nothing for this long is closed (it holds nothing up meanwhile).
+IDLE_CONNECTION_S = 600.0
+#: A client that does not take its reply within this long is dropped.
+SEND_TIMEOUT_S = 10.0
+LEDGER_INTERVAL_S = 0.05
+TICK_INTERVAL_S = 1.0
+
+
+class RunDirBusy(Exception):
+    """Another guard is serving this run directory."""
+
+
+def _reply(reply: Reply) -> dict[str, Any]:
+    out: dict[str, Any] = {"v": VERSION, "ok": True, "allow": reply.allow, "state": reply.state.value}
+    if reply.feedback:
+        out["feedback"] = reply.feedback
+    if reply.warning:
+        out["warning"] = reply.warning
+    if reply.trip is not None:
+        trip = asdict(reply.trip)
+        out["trip"] = {k: (v.value if hasattr(v, "value") else v) for k, v in trip.items()}
+    return out
+
+
+class Daemon:
+    """Serves *breaker* on ``agent.sock`` and ``control.sock`` in *run_dir*."""
+
+    def __init__(
+        self,
+        breaker: Breaker,
+        run_dir: Path,
+        workspace: str,
+        events: EventLog,
+        on_stop: Callable[[], None] | None = None,
+    ) -> None:
+        self.breaker = breaker
+        self.run_dir = run_dir
+        self.workspace = os.path.abspath(workspace)
+        self.events = events
+        self.on_stop = on_stop or (lambda: None)
+        self.agent_path = run_dir / AGENT_SOCKET
+        self.control_path = run_dir / CONTROL_SOCKET
+        self._written = -1
+        self._stopping = False
+
+    # ----- set-up and teardown -------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Create the run directory and claim it; raise RunDirBusy if a guard serves it."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.run_dir, 0o755)  # noqa: S103 - the agent (maybe another user) reaches agent.sock
+        for path in (self.agent_path, self.control_path):
+            if path.exists():
+                probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    probe.connect(str(path))
+                except OSError:
+                    path.unlink()  # stale, from a guard that died
+                else:
+                    raise RunDirBusy(f"{path} is served by another guard; use another --run-dir")
+                finally:
+                    probe.close()
+        self.write_ledger()
+
+    def cleanup(self) -> None:
+        """Remove the sockets; write the ledger one last time."""
+        for path in (self.agent_path, self.control_path):
+            path.unlink(missing_ok=True)
+        self.write_ledger()
+
+    def write_ledger(self) -> None:
+        """Write ledger.json and STATE.md now, if anything changed."""
+        if self._written != self.breaker.version:
+            self._written = self.breaker.version
+            write_ledger(self.run_dir, self.breaker.snapshot())
+
+    def state_text(self) -> str:
+        """STATE.md as of now (what guardfs serves as .guard/STATE.md)."""
+        return render_state(self.breaker.snapshot())
+
+    async def run(self) -> None:
+        """Serve both sockets, write the ledger and tick the clock until cancelled."""
+        agent = await self._listen(self.agent_path, 0o666)
+        control = await self._listen(self.control_path, 0o600)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._accept_loop, agent, "agent")
+                nursery.start_soon(self._accept_loop, control, "control")
+                nursery.start_soon(self._ledger_loop)
+                nursery.start_soon(self._tick_loop)
+        finally:
+            agent.close()
+            control.close()
+
+    async def _listen(self, path: Path, mode: int) -> trio.socket.SocketType:
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Born with its mode: no window in which the control socket is wider than 0600.
+        # (The umask is process-wide; nothing else creates files in this thread meanwhile.)
+        old = os.umask(0o777 ^ mode)
+        try:
+            await sock.bind(str(path))
+        finally:
+            os.umask(old)
+        os.chmod(path, mode)
+        sock.listen(4096)
+        return sock
+
+    # ----- connections ---------------------------------------------------------------
+
+    async def _accept_loop(self, sock: trio.socket.SocketType, kind: str) -> None:
+        async with trio.open_nursery() as nursery:
+            while True:
+                try:
+                    conn, _ = await sock.accept()
+                except OSError as err:
+                    if err.errno in (errno.EMFILE, errno.ENFILE):
+                        log.warning("%s socket: out of file descriptors; pausing accepts", kind)
+                        await trio.sleep(0.1)
+                        continue
+                    raise
+                nursery.start_soon(self._serve_conn, trio.SocketStream(conn), kind)
+
+    def _peer_allowed(self, stream: trio.SocketStream) -> str | None:
+        """For the control socket: only our own user (or root) may steer the run."""
+        creds = stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _pid, uid, _gid = struct.unpack("3i", creds)
+        if uid in (0, os.geteuid()):
+            return None
+        return f"uid {uid} may not use the control socket (owner uid {os.geteuid()})"
+
+    async def _serve_conn(self, stream: trio.SocketStream, kind: str) -> None:
+        async with stream:
+            if kind == "control" and (refusal := self._peer_allowed(stream)) is not None:
+                await self._send(stream, error_reply(refusal))
+                return
+            buf = b""
+            while True:
+                with trio.move_on_after(IDLE_CONNECTION_S) as idle:
+                    try:
+                        data = await stream.receive_some(MAX_LINE)
+                    except trio.BrokenResourceError:
+                        return
+                if idle.cancelled_caught or not data:
+                    return
+                buf += data
+                while (nl := buf.find(b"\n")) >= 0:
+                    line, buf = buf[:nl], buf[nl + 1:]
+                    if line.strip() and not await self._send(stream, self._handle(line, kind)):
+                        return
+                    if self._stopping:  # after the reply went out
+                        self.on_stop()
+                        return
+                if len(buf) >= MAX_LINE:
+                    await self._send(stream, error_reply(f"line longer than {MAX_LINE} bytes; closing"))
+                    return
+
+    async def _send(self, stream: trio.SocketStream, reply: dict[str, Any]) -> bool:
+        with trio.move_on_after(SEND_TIMEOUT_S):
+            try:
+                await stream.send_all(json.dumps(reply, separators=(",", ":")).encode() + b"\n")
+                return True
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return False
+        return False  # a client that does not read its replies is dropped
+
+    def _handle(self, line: bytes, kind: str) -> dict[str, Any]:
+        try:
+            msg = parse_agent(line) if kind == "agent" else parse_control(line)
+        except ProtocolError as err:
+            self.events.emit("protocol", kind, "deny", reason=str(err)[:500])
+            return error_reply(str(err))
+        b = self.breaker
+        if kind == "agent" and not isinstance(msg, Status):
+            b.activity()
+        match msg:
+            case Hello():
+                return _reply(b.hello(msg.agent))
+            case Step():
+                return _reply(b.step(msg.tokens_in, msg.tokens_out, msg.tokens_cached, msg.tool, msg.args))
+            case ToolResult():
+                return _reply(b.tool_result(msg.tool, msg.exit_code, msg.summary))
+            case Check():
+                paths, outside = self._relative(msg.paths)
+                return _reply(b.check(msg.tool, paths, msg.args, msg.mutating, outside=outside))
+            case Note():
+                return _reply(b.note(msg.kind, msg.text))
+            case Status():
+                return {"v": VERSION, "ok": True, "state": b.state.value, "ledger": b.snapshot()}
+            case Approve():
+                return _reply(b.approve(msg.raise_to))
+            case Stop():
+                self._stopping = True
+                return _reply(b.stop())
+            case Checkpoint():
+                return _reply(b.checkpoint(msg.label))
+        raise AssertionError(f"unhandled message {msg!r}")  # the parsers admit nothing else
+
+    def _relative(self, paths: list[str]) -> tuple[list[str], list[str]]:
+        """Workspace-relative forms of *paths*; the ones outside the workspace apart."""
+        inside, outside = [], []
+        for p in paths:
+            full = os.path.normpath(os.path.join(self.workspace, p))
+            rel = os.path.relpath(full, self.workspace)
+            if rel == ".":
+                inside.append("")
+            elif rel.startswith(".."):
+                outside.append(full)
+            else:
+                inside.append(rel)
+        return inside, outside
+
+    # ----- background tasks ------------------------------------------------------------
+
+    async def _ledger_loop(self) -> None:
+        while True:
+            if self._written != self.breaker.version:
+                self._written = self.breaker.version
+                snap = self.breaker.snapshot()  # taken in the loop's thread: consistent
+                await trio.to_thread.run_sync(write_ledger, self.run_dir, snap)
+            await trio.sleep(LEDGER_INTERVAL_S)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await trio.sleep(TICK_INTERVAL_S)
+            self.breaker.tick()
