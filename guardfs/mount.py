@@ -41,13 +41,13 @@ async def _serve(
     fs: GuardFS,
     handle_signals: bool,
     on_ready: Callable[[], None] | None,
-    companions: Sequence[Callable[[], Awaitable[None]]],
+    companions: Sequence[Callable[..., Awaitable[None]]],
 ) -> None:
     async with trio.open_nursery() as nursery:
         if handle_signals:
             nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
         for companion in companions:
-            nursery.start_soon(companion)
+            await nursery.start(companion)  # e.g. the daemon: its sockets listen before we mount
         if on_ready is not None:
             on_ready()
         await pyfuse3.main()
@@ -69,13 +69,14 @@ def serve(
     handle_signals: bool = True,
     on_ready: Callable[[], None] | None = None,
     options: set[str] | None = None,
-    companions: Sequence[Callable[[], Awaitable[None]]] = (),
+    companions: Sequence[Callable[..., Awaitable[None]]] = (),
 ) -> None:
     """Mount *fs* at *mountpoint* and serve until a signal or an external unmount.
 
     The mount is always removed before this returns, also when the loop fails.
     *options* replaces :func:`mount_options` (tests use it to drop ``default_permissions``).
-    *companions* run in the same trio loop (the breaker daemon) and are cancelled with it.
+    *companions* run in the same trio loop (the breaker daemon) and are cancelled with it;
+    each is started with ``nursery.start`` and must report ``task_status.started()``.
     """
     check_fuse_available()
     if not os.path.isdir(mountpoint):

@@ -127,12 +127,16 @@ class Daemon:
         """STATE.md as of now (what guardfs serves as .guard/STATE.md)."""
         return render_state(self.breaker.snapshot())
 
-    async def run(self) -> None:
-        """Serve both sockets, write the ledger and tick the clock until cancelled."""
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve both sockets, write the ledger and tick the clock until cancelled.
+
+        Reports started once both sockets are listening.
+        """
         agent = await self._listen(self.agent_path, 0o666)
         control = await self._listen(self.control_path, 0o600)
         try:
             async with trio.open_nursery() as nursery:
+                task_status.started()
                 nursery.start_soon(self._accept_loop, agent, "agent")
                 nursery.start_soon(self._accept_loop, control, "control")
                 nursery.start_soon(self._ledger_loop)

@@ -8,7 +8,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["snapshot", "wait_for"]
+from sandbox.breaker import Breaker, State
+
+__all__ = ["snapshot", "state_of", "wait_for"]
+
+
+def state_of(breaker: Breaker) -> State:
+    """The breaker's state (a call, so that type checkers do not narrow it across events)."""
+    return breaker.state
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:

@@ -12,6 +12,8 @@ from guardfs.decision import Request, Verdict, policy_verdict
 from guardfs.manifest import parse_manifest
 from sandbox.breaker import Breaker, Reply, State
 
+from .helpers import state_of
+
 MANIFEST = """
 [task]
 id = "fix-tax"
@@ -76,11 +78,6 @@ def rewrite(b: Breaker, path: str, old: bytes, new: bytes) -> Verdict:
         b.accounting.commit_rewrite(plan, old)
         b.committed(request)
     return verdict
-
-
-def state_of(b: Breaker) -> State:
-    """The breaker's state (a call, so that type checkers do not narrow it across events)."""
-    return b.state
 
 
 def fn(body: str) -> bytes:
