@@ -830,6 +830,7 @@ class GuardFS(pyfuse3.Operations):
         plan = self.accounting.plan_rewrite(session.path, session.old, new)
         self.accounting.commit_rewrite(plan, session.old)
         self.events.emit("rewrite", session.path, "allow", rule=f.entry.where.key, **self._plan_detail(plan))
+        self.decider.committed(Request("rewrite", session.path, f.entry.where, True, rewrite=plan))
         session.old = new  # writes through a dup of this handle start a new session
         f.dirty = False
 
