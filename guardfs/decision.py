@@ -36,7 +36,9 @@ ERRNO_READ_ONLY = errno.EROFS
 ERRNO_LIMIT = errno.EDQUOT
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass's __init__ costs several times more, and a request is built
+# on every judged operation. Treat requests as immutable all the same.
+@dataclass(slots=True)
 class Request:
     """One operation to judge: what, on which path(s), and what it would count."""
 
@@ -81,8 +83,15 @@ def _deny(where: Classification, err: int, reason: str) -> Verdict:
     return Verdict(False, where.key, where.pattern, err, reason)
 
 
+_WRITABLE = frozenset({Scope.ALLOWED, Scope.GIT_INTERNAL, Scope.GIT_CONFIG})
+
+
 def policy_verdict(request: Request) -> Verdict:
     """The manifest's and the built-ins' verdict on *request*, before any limit."""
+    if request.target is None:  # the common case, decided in one or two comparisons
+        scope = request.where.scope
+        if scope is not Scope.FORBIDDEN and (not request.mutating or scope in _WRITABLE):
+            return ALLOW
     checks = [(request.path, request.where)]
     if request.target is not None and request.target_where is not None:
         checks.append((request.target, request.target_where))

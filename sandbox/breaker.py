@@ -35,6 +35,8 @@ __all__ = ["Breaker", "Rule", "State", "Trip"]
 # A tool result counts as a passing test when the tool or its command names a test runner.
 _TEST_COMMAND = re.compile(r"\b(pytest|py\.test|unittest|tox|nox|jest|vitest|mocha|go test|cargo test|"
                            r"npm (run )?test|yarn test|pnpm test|make (test|check)|ctest|rspec|phpunit)\b")
+# One encoder for every call's canonical form (json.dumps with options builds a new one).
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str)
 # git stats every tracked file: a forbidden one it meets is refused, but is no trip.
 _BENIGN_LOOKUP_ACTORS = frozenset({"git"})
 
@@ -139,7 +141,7 @@ class _Call:
     failed: bool | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built on every step, see guardfs.decision.Request
 class Reply:
     """What a socket message gets back: the state, and words for the agent when any."""
 
@@ -150,6 +152,9 @@ class Reply:
     trip: Trip | None = None
 
 
+_FIRST_CALL = Reply(True, State.CLOSED)  # only .warning and .trip of it are read
+
+
 @dataclass
 class _Counters:
     steps: int = 0
@@ -157,7 +162,7 @@ class _Counters:
     tokens_cached: int = 0
     since_progress: int = 0
     consecutive_failures: int = 0
-    window: collections.deque[int] = field(default_factory=collections.deque)
+    window: collections.deque[int] = field(default_factory=collections.deque)  # maxlen set by Breaker
     identical: collections.Counter[str] = field(default_factory=collections.Counter)
     calls: list[_Call] = field(default_factory=list)
 
@@ -191,13 +196,16 @@ class Breaker:
         self.last_feedback = ""
         self.version = 0  # bumped on every change, for the ledger writer
         self._refuse_next = False
-        self._c = _Counters()
+        self._c = _Counters(window=collections.deque(maxlen=self.limits.window_steps))
         self._last_activity: float | None = None  # armed by the first agent message
 
     # ----- guardfs's Decider protocol -----------------------------------------------
 
     def decide(self, request: Request, policy: Verdict) -> Verdict:
         """Judge a filesystem request; a policy denial stays a denial and may trip."""
+        if (policy.allow and self.state is State.CLOSED and request.rewrite is None
+                and not request.new_files):
+            return policy  # the hot path: nothing to count, nothing to gate
         if not policy.allow:
             rule = self._rule_for_denial(request, policy)
             if rule is None:
@@ -248,17 +256,15 @@ class Breaker:
         args: Any = None,
     ) -> Reply:
         """One agent step (a model call), with its token usage and the tool it calls."""
-        self._touch()
+        self._last_activity = self.now()
         c = self._c
         tokens = tokens_in + tokens_out
         c.steps += 1
         c.tokens_total += tokens
         c.tokens_cached += tokens_cached
         c.since_progress += tokens
-        c.window.append(tokens)
-        while len(c.window) > self.limits.window_steps:
-            c.window.popleft()
-        self._changed()
+        c.window.append(tokens)  # a deque with maxlen=window_steps
+        self.version += 1
         warning = ""
         if tool is not None:
             reply = self._call(tool, args)
@@ -266,8 +272,7 @@ class Breaker:
                 return reply
             warning = reply.warning
         lim = self.limits
-        window = sum(c.window)
-        if lim.max_window_tokens is not None and window > lim.max_window_tokens:
+        if lim.max_window_tokens is not None and (window := sum(c.window)) > lim.max_window_tokens:
             return self._reply_trip(Rule.TOKEN_SURGE, (
                 f"{window} tokens in the last {len(c.window)} steps (max_window_tokens={lim.max_window_tokens})"))
         if lim.max_tokens_without_progress is not None and c.since_progress > lim.max_tokens_without_progress:
@@ -276,7 +281,10 @@ class Breaker:
                 f"(max_tokens_without_progress={lim.max_tokens_without_progress})"))
         if lim.max_steps is not None and c.steps > lim.max_steps:
             return self._reply_trip(Rule.STEP_BUDGET, f"step {c.steps} of max_steps={lim.max_steps}")
-        return Reply(not self.state.terminal, self.state, self._feedback_if_halted(), warning)
+        state = self.state
+        if state is State.CLOSED:
+            return Reply(True, state, "", warning)
+        return Reply(not state.terminal, state, self.last_feedback, warning)
 
     def tool_result(self, tool: str, exit_code: int, summary: str = "") -> Reply:
         """A tool finished: failures in a row, stagnation, and passing tests as progress."""
@@ -433,20 +441,21 @@ class Breaker:
     def _call(self, tool: str, args: Any) -> Reply:
         """Repetition and stagnation bookkeeping for one tool call."""
         c = self._c
-        text = tool + " " + json.dumps(args, sort_keys=True, default=str)
+        text = tool + " " + _CANONICAL.encode(args)
         c.calls.append(_Call(text))
-        del c.calls[:-8]
+        if len(c.calls) > 8:
+            del c.calls[0]
         c.identical[text] += 1
         n = c.identical[text]
         limit = self.limits.max_identical_calls
         if limit is not None and n >= limit:
             return self._reply_trip(Rule.REPEATED_ACTION, (
                 f"the same {tool} call, with the same arguments, for the {n}th time (max_identical_calls={limit})"))
-        if n >= 2:
-            return Reply(True, self.state, warning=(
+        if n == 1:
+            return _FIRST_CALL
+        return Reply(True, self.state, warning=(
                 f"guard: warning: this exact {tool} call was already made {n - 1} time(s); "
                 f"the {limit}th is refused"))
-        return Reply(True, self.state)
 
     def _stagnating(self) -> bool:
         calls = self._c.calls[-3:]

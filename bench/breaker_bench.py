@@ -1,0 +1,148 @@
+"""The breaker's per-event cost, in process, and a ``check`` round trip over the socket.
+
+Usage: .venv/bin/python bench/breaker_bench.py [--events 200000] [--checks 20000]
+
+- write event: what guardfs does for a judged write on a known inode: read the cached
+  classification from the inode table, build the request, policy verdict + breaker.
+- token step: ``Breaker.step`` with token counts (and, separately, with a tool call).
+- check round trip: a client on the agent socket asks ``check`` and reads the reply, the
+  daemon running in its own trio loop as in ``guard mount --run-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+from guardfs.accounting import WriteAccounting
+from guardfs.decision import Request
+from guardfs.events import EventLog
+from guardfs.fs import GuardFS
+from guardfs.manifest import parse_manifest
+from sandbox.breaker import Breaker
+from sandbox.client import GuardClient
+from sandbox.daemon import Daemon
+
+ROOT = Path(__file__).resolve().parent.parent
+MANIFEST = """
+[task]
+id = "bench"
+goal = "Benchmark the breaker"
+[paths]
+allowed = ["src/checkout/"]
+forbidden = [".env*", "**/migrations/"]
+[limits]
+max_files = "unlimited"
+max_window_tokens = "unlimited"
+max_tokens_without_progress = "unlimited"
+max_steps = "unlimited"
+max_identical_calls = "unlimited"
+"""
+
+
+def percentiles(samples: list[int]) -> dict[str, float]:
+    """Median and p99 of nanosecond samples, in microseconds."""
+    samples.sort()
+    return {"median_us": samples[len(samples) // 2] / 1000, "p99_us": samples[int(len(samples) * 0.99)] / 1000}
+
+
+def timed(fn: Callable[[int], object], n: int) -> dict[str, float]:
+    """Time each of *n* calls of fn(i)."""
+    clock = time.perf_counter_ns
+    out = []
+    for i in range(n):
+        t0 = clock()
+        fn(i)
+        out.append(clock() - t0)
+    return percentiles(out)
+
+
+def in_process(n: int) -> dict[str, dict[str, float]]:
+    """Per-event costs without any I/O."""
+    manifest = parse_manifest(MANIFEST)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "src/checkout").mkdir(parents=True)
+        (Path(tmp) / "src/checkout/tax.py").write_text("x = 1\n")
+        accounting = WriteAccounting()
+        breaker = Breaker(manifest, accounting, now=time.monotonic)
+        fs = GuardFS(tmp, manifest, EventLog(None), breaker, accounting=accounting)
+        st = os.stat(Path(tmp) / "src/checkout/tax.py")
+        ino = fs.inodes.remember(st.st_ino, st.st_mode, "src/checkout/tax.py").ino
+        get, check = fs.inodes.get, fs._check
+
+        def write_event(_: int) -> None:
+            entry = get(ino)
+            assert entry is not None
+            check(Request("write", entry.path, entry.where, True))
+
+        results = {
+            "write event (path decision + breaker)": timed(write_event, n),
+            "token step": timed(lambda i: breaker.step(tokens_in=1200, tokens_out=300), n),
+            "token step with a tool call": timed(
+                lambda i: breaker.step(tokens_in=1200, tokens_out=300, tool="Edit", args={"file": f"src/f{i}.py"}), n),
+        }
+        fs.close()
+    return results
+
+
+def round_trips(n: int) -> dict[str, float]:
+    """``check`` over the agent socket against a daemon in its own thread."""
+    manifest = parse_manifest(MANIFEST)
+    tmp = Path(tempfile.mkdtemp(prefix="guardfs-bench-"))
+    events = EventLog(None)
+    breaker = Breaker(manifest, WriteAccounting(), now=time.monotonic)
+    daemon = Daemon(breaker, tmp / "run", str(tmp), events)
+    daemon.prepare()
+    ready = threading.Event()
+    token: list[trio.lowlevel.TrioToken] = []
+
+    async def serve() -> None:
+        token.append(trio.lowlevel.current_trio_token())
+        async with trio.open_nursery() as nursery:
+            await nursery.start(daemon.run)
+            ready.set()
+
+    thread = threading.Thread(target=lambda: trio.run(serve), daemon=True)
+    thread.start()
+    ready.wait(10)
+    samples = []
+    with GuardClient(daemon.agent_path) as guard:
+        for i in range(n):
+            t0 = time.perf_counter_ns()
+            guard.check("Edit", [f"src/checkout/f{i % 50}.py"])
+            samples.append(time.perf_counter_ns() - t0)
+    trio.from_thread.run_sync(lambda: None, trio_token=token[0])
+    daemon.cleanup()
+    return percentiles(samples)
+
+
+def main() -> int:
+    """Measure, print a table, write JSON."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--events", type=int, default=200_000)
+    parser.add_argument("--checks", type=int, default=20_000)
+    parser.add_argument("--json", type=Path, default=ROOT / "bench/results/breaker.json")
+    args = parser.parse_args()
+    results = in_process(args.events)
+    results["check round trip over the socket"] = round_trips(args.checks)
+    print(f"{'event':<40} {'median us':>10} {'p99 us':>9}")
+    for name, r in results.items():
+        print(f"{name:<40} {r['median_us']:>10.2f} {r['p99_us']:>9.2f}")
+    print("seed design, in-process breaker per tool call: median 2.00 us, p99 9.50 us")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
+    print(f"written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
