@@ -8,6 +8,7 @@ by defaults.
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -211,6 +212,28 @@ class Breaker(_Strict):
     )
 
 
+def _check_writable(path: str) -> str:
+    full = os.path.expanduser(path)
+    if not os.path.isabs(full):
+        raise ValueError(f"{path!r} must be an absolute path (or start with ~)")
+    if os.path.normpath(full) == "/" or ".." in full.split("/"):
+        raise ValueError(f"{path!r} is over-broad or escapes with '..'; name the directory the agent needs")
+    return path
+
+
+class SandboxSettings(_Strict):
+    """What the agent may write outside the workspace when ``guard run`` isolates it."""
+
+    writable: list[Annotated[str, AfterValidator(_check_writable)]] = Field(
+        default_factory=list,
+        description=(
+            "Extra directories (absolute, or starting with ~) the agent may write, such as its "
+            "own configuration directory. Everything else outside the workspace and a private "
+            "/tmp is read-only. Paths that do not exist are skipped."
+        ),
+    )
+
+
 class Manifest(_Strict):
     """A task's scope: the ``[task]``, ``[paths]``, ``[limits]`` and ``[breaker]`` sections."""
 
@@ -218,6 +241,7 @@ class Manifest(_Strict):
     paths: Paths = Field(default_factory=Paths, description="Scope of reads and writes.")
     limits: Limits = Field(default_factory=Limits, description="Breaker thresholds.")
     breaker: Breaker = Field(default_factory=Breaker, description="Recovery from trips.")
+    sandbox: SandboxSettings = Field(default_factory=SandboxSettings, description="Isolation of guard run.")
 
     @property
     def read_only(self) -> bool:

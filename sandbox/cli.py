@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log every denial to stderr")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="verb", required=True, parser_class=_Parser)
 
     check = sub.add_parser(
         "check",
@@ -85,6 +85,30 @@ def _parser() -> argparse.ArgumentParser:
     )
     mount.add_argument("backing", metavar="BACKING", help="the real workspace directory")
     mount.add_argument("mountpoint", metavar="MOUNTPOINT", help="where the guarded view appears")
+
+    run = sub.add_parser(
+        "run",
+        help="run an agent inside the guarded, isolated workspace",
+        description=(
+            "Mount the workspace through guardfs with the breaker daemon, then run CMD isolated "
+            "(bubblewrap: PID namespace, read-only host, private /tmp; Landlock; no_new_privs) "
+            "so that the workspace's own path shows the guarded mount. Exit status: the agent's "
+            "own, 75 when a breaker trip stopped it, 64 bad usage, 65 invalid manifest, 69 FUSE "
+            "or isolation unavailable, 70 internal error."
+        ),
+    )
+    run.add_argument("--manifest", metavar="M", required=True, help="scope manifest (TOML)")
+    run.add_argument("--workspace", metavar="DIR", help="the workspace (default: the current directory)")
+    run.add_argument("--run-dir", metavar="D", help="run directory (default: a new one under "
+                     "$XDG_STATE_HOME/guardfs/runs, printed at start)")
+    run.add_argument("--ci", action="store_true", help="CI mode: a terminal trip stops the agent at "
+                     "once; the console gets a digest instead of the raw output")
+    run.add_argument("--no-isolation", action="store_true", help="DANGEROUS: run the agent without "
+                     "bubblewrap and Landlock (only the mount's rules then apply, and only to what "
+                     "goes through it)")
+    run.add_argument("--cache-timeout", metavar="S", type=float, default=60.0,
+                     help="seconds the kernel may cache entries and attributes (default 60)")
+    run.add_argument("command", metavar="CMD", nargs=argparse.REMAINDER, help="the agent's command, after --")
 
     for name, text in (
         ("status", "print the breaker's state and the ledger of a running guard"),
@@ -187,28 +211,59 @@ def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: Eve
     return Exit.TRIPPED if breaker.state is State.OPEN_STOPPED else Exit.OK
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from sandbox.isolation import IsolationUnavailable
+    from sandbox.run import RunOptions, default_run_dir, run
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("guard run: no command given (guard run --manifest M -- CMD ARGS...)", file=sys.stderr)
+        return Exit.USAGE
+    manifest = load_manifest(args.manifest)
+    workspace = Path(os.path.realpath(args.workspace or os.getcwd()))
+    if not workspace.is_dir():
+        print(f"guard run: workspace {workspace} is not a directory", file=sys.stderr)
+        return Exit.USAGE
+    run_dir = Path(os.path.realpath(args.run_dir)) if args.run_dir else default_run_dir(manifest.task.id)
+    if run_dir.is_relative_to(workspace) or workspace.is_relative_to(run_dir):
+        print(f"guard run: the run directory {run_dir} must lie outside the workspace {workspace} "
+              "(it holds the control socket)", file=sys.stderr)
+        return Exit.USAGE
+    if run_dir.exists() and any(run_dir.iterdir()):
+        print(f"guard run: run directory {run_dir} is not empty; give a new one", file=sys.stderr)
+        return Exit.USAGE
+    options = RunOptions(manifest, workspace, run_dir, command, Path(os.path.realpath(os.getcwd())),
+                         ci=args.ci, isolation=not args.no_isolation, cache_timeout=args.cache_timeout)
+    try:
+        return run(options)
+    except IsolationUnavailable as err:
+        print(f"guard run: isolation is impossible here: {err}. Refusing to start the agent; "
+              "--no-isolation runs it unsandboxed (dangerous).", file=sys.stderr)
+        return Exit.UNAVAILABLE
+
+
 def _cmd_control(args: argparse.Namespace) -> int:
     from sandbox.client import GuardClient, GuardClientError, control_socket_path
     from sandbox.ledger import render_state
 
     try:
         with GuardClient(control_socket_path(args.run_dir)) as guard:
-            if args.command == "status":
+            if args.verb == "status":
                 reply = guard.status()
-            elif args.command == "approve":
+            elif args.verb == "approve":
                 reply = guard.approve(args.raise_to)
-            elif args.command == "stop":
+            elif args.verb == "stop":
                 reply = guard.stop()
             else:
                 reply = guard.checkpoint(args.label)
     except GuardClientError as err:
-        print(f"guard {args.command}: {err}", file=sys.stderr)
+        print(f"guard {args.verb}: {err}", file=sys.stderr)
         return Exit.UNAVAILABLE
-    if args.command == "status":
+    if args.verb == "status":
         print(json.dumps(reply["ledger"], indent=2) if args.json else render_state(reply["ledger"]), end="")
         return Exit.OK
     print(f"state: {reply['state']}")
-    if not reply.get("allow", True) and args.command == "approve":
+    if not reply.get("allow", True) and args.verb == "approve":
         print(f"guard approve: {reply.get('feedback', 'refused')}", file=sys.stderr)
         return Exit.USAGE
     return Exit.OK
@@ -248,15 +303,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="guard: %(message)s",
     )
     try:
-        if args.command == "check":
+        if args.verb == "check":
             return _cmd_check(args)
-        if args.command == "demo":
+        if args.verb == "demo":
             from sandbox.demo import run_demo
 
             return run_demo()
-        if args.command in ("status", "approve", "stop", "checkpoint"):
+        if args.verb in ("status", "approve", "stop", "checkpoint"):
             return _cmd_control(args)
-        if args.command == "feed":
+        if args.verb == "run":
+            return _cmd_run(args)
+        if args.verb == "feed":
             return _cmd_feed(args)
         return _cmd_mount(args)
     except ManifestError as err:

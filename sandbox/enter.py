@@ -1,0 +1,42 @@
+"""The last step into the sandbox: Landlock and no_new_privs, then exec the agent.
+
+Run by ``guard run`` as the command inside bubblewrap (bubblewrap itself needs to mount,
+which a Landlock-restricted process may not):
+
+    python -m sandbox.enter --write /workspace --write /tmp -- CMD ARGS...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from sandbox.landlock import LandlockUnavailable, restrict_writes
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Restrict, then exec; returns only on failure (exit 69 or 127)."""
+    parser = argparse.ArgumentParser(prog="guard-enter")
+    parser.add_argument("--write", action="append", default=[], help="a directory writes may land beneath")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("guard: no command to run", file=sys.stderr)
+        return 64
+    try:
+        restrict_writes([p for p in args.write if os.path.exists(p)])
+    except LandlockUnavailable as err:
+        print(f"guard: refusing to start the agent: {err.strerror}; pass --no-isolation to run without "
+              "(then nothing but the mount's own rules stops writes outside the workspace)", file=sys.stderr)
+        return 69
+    try:
+        os.execvp(command[0], command)  # noqa: S606 - exec'ing the agent is this module's job
+    except OSError as err:
+        print(f"guard: cannot run {command[0]}: {err.strerror}", file=sys.stderr)
+        return 127
+
+
+if __name__ == "__main__":
+    sys.exit(main())

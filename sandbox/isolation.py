@@ -1,0 +1,133 @@
+"""Isolation of the agent: the bubblewrap command line and the guard's private mount namespace.
+
+Inside the sandbox the agent sees the host read-only, a private /tmp, a fresh /proc of
+its own PID namespace (the guard is invisible there), the guarded mount at the workspace's
+own path (covering the real directory), and the agent socket at ``/tmp/guard/agent.sock``.
+The run directory (control socket, ledger, logs) is covered by an empty tmpfs. As root,
+every capability is dropped. The last step, :mod:`sandbox.enter`, adds Landlock (writes
+only beneath the workspace, /tmp, /dev and declared extras) and no_new_privs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sandbox.landlock import LandlockUnavailable, abi_version
+
+__all__ = ["SANDBOX_RUN_DIR", "Isolation", "IsolationUnavailable", "bwrap_argv", "private_mount_namespace", "probe"]
+
+#: Where the agent finds the guard inside the sandbox (GUARD_RUN_DIR).
+SANDBOX_RUN_DIR = "/tmp/guard"
+
+_CLONE_NEWNS = 0x00020000
+_MS_REC = 0x4000
+_MS_PRIVATE = 1 << 18
+
+
+class IsolationUnavailable(Exception):
+    """What is missing for isolation, in words a user can act on."""
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """What this machine offers."""
+
+    bwrap: str
+    landlock_abi: int
+
+
+def probe() -> Isolation:
+    """Check that bubblewrap and Landlock work here; raise IsolationUnavailable saying why not."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        raise IsolationUnavailable("bubblewrap is not installed (apt-get install bubblewrap)")
+    try:
+        abi = abi_version()
+    except LandlockUnavailable as err:
+        raise IsolationUnavailable(f"{err.strerror} (a kernel >= 5.13 with lsm=landlock is needed)") from err
+    return Isolation(bwrap, abi)
+
+
+def private_mount_namespace() -> bool:
+    """Give this (still single-threaded) process a mount namespace of its own, as root.
+
+    The guarded mount then exists only in here: when the guard and the agent are gone,
+    even by SIGKILL, the kernel tears the namespace down with the mount in it; nothing is
+    left mounted on the host. Returns False (and changes nothing) when not root.
+    """
+    if os.geteuid() != 0:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(_CLONE_NEWNS) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare(CLONE_NEWNS): {os.strerror(err)}")
+    if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"making / private: {os.strerror(err)}")
+    return True
+
+
+def _keep_visible(covered: Sequence[str]) -> list[str]:
+    """Read-only binds for what the sandbox's own entry step needs (this Python, its
+    packages, guard itself) where a fresh tmpfs covers it (a venv under /tmp, say)."""
+    import sandbox
+
+    needed = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.abspath(sandbox.__file__)))}
+    out: list[str] = []
+    for path in sorted(needed):
+        real = os.path.realpath(path)
+        if any(real == c or real.startswith(c.rstrip("/") + "/") for c in covered):
+            out += ["--ro-bind", real, real]
+    return out
+
+
+def bwrap_argv(
+    *,
+    bwrap: str,
+    mountpoint: str,
+    workspace: str,
+    run_dir: str,
+    agent_socket: str,
+    cwd: str,
+    command: Sequence[str],
+    writable: Sequence[str] = (),
+    pty: bool = False,
+) -> list[str]:
+    """The full command line that starts *command* isolated, in *cwd*."""
+    argv = [
+        bwrap,
+        "--die-with-parent",
+        "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        "--ro-bind", "/", "/",
+        "--dev", "/dev",
+        "--proc", "/proc",
+        "--tmpfs", "/tmp",
+        *_keep_visible(["/tmp"]),
+        "--bind", mountpoint, workspace,
+        "--tmpfs", run_dir,
+        "--dir", SANDBOX_RUN_DIR,
+        "--bind", agent_socket, f"{SANDBOX_RUN_DIR}/agent.sock",
+    ]
+    for path in writable:
+        argv += ["--bind", path, path]
+    if os.geteuid() == 0:
+        argv += ["--cap-drop", "ALL"]
+    if not pty:
+        argv.append("--new-session")  # no TIOCSTI into the guard's terminal
+    argv += [
+        "--chdir", cwd,
+        "--setenv", "GUARD_SOCKET", f"{SANDBOX_RUN_DIR}/agent.sock",
+        "--setenv", "GUARD_RUN_DIR", SANDBOX_RUN_DIR,
+        "--setenv", "GUARD_WORKSPACE", workspace,
+        "--",
+        sys.executable, "-m", "sandbox.enter",
+        "--write", workspace, "--write", "/tmp", "--write", "/dev",
+        *(f"--write={p}" for p in writable),
+        "--", *command,
+    ]
+    return argv

@@ -1,0 +1,301 @@
+"""``guard run``: the guarded mount, the breaker daemon and the agent, in one trio loop.
+
+Order of things: the run directory; a private mount namespace (as root); the mount of the
+workspace at ``RUN_DIR/mnt``; the daemon's sockets; then the agent inside bubblewrap with
+the mount over the workspace's own path. The guard pumps the agent's output into the
+quarantine logs, watches the breaker (freezing or stopping the tree on a terminal trip) and,
+when the agent ends, unmounts and prints a summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import termios
+import time
+import tty
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from guardfs.accounting import WriteAccounting
+from guardfs.events import EventLog
+from guardfs.fs import GuardFS
+from guardfs.manifest import Manifest
+from guardfs.mount import check_fuse_available, mount_options
+from sandbox.breaker import Breaker, State
+from sandbox.daemon import Daemon
+from sandbox.exitcodes import Exit
+from sandbox.isolation import bwrap_argv, private_mount_namespace, probe
+from sandbox.quarantine import Recorder, console, digest
+from sandbox.supervisor import ProcessTree
+
+__all__ = ["RunOptions", "default_run_dir", "run"]
+
+
+@dataclass
+class RunOptions:
+    """What ``guard run`` was asked to do."""
+
+    manifest: Manifest
+    workspace: Path
+    run_dir: Path
+    command: list[str]
+    cwd: Path
+    ci: bool = False
+    isolation: bool = True
+    cache_timeout: float = 60.0
+
+
+@dataclass
+class _Outcome:
+    status: int | None = None
+    tripped: State | None = None
+    interrupted: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def default_run_dir(task_id: str) -> Path:
+    """A fresh directory under the user's state directory."""
+    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local/state") / "guardfs/runs"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return base / f"{stamp}-{task_id}-{os.getpid()}"
+
+
+def _say(text: str) -> None:
+    print(f"guard: {text}", file=sys.stderr, flush=True)
+
+
+def run(opts: RunOptions) -> int:
+    """Run the agent under guard; returns the exit status."""
+    check_fuse_available()
+    bwrap = None
+    if opts.isolation:
+        bwrap = probe().bwrap  # raises IsolationUnavailable: the CLI turns it into 69
+    else:
+        _say("WARNING: --no-isolation: the agent runs unsandboxed; it can write anywhere its user can, "
+             "and reach the real workspace; only the mount's own rules apply to what goes through it")
+    run_dir = opts.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    mnt = run_dir / "mnt"
+    mnt.mkdir(exist_ok=True)
+    private = private_mount_namespace()  # before trio starts any thread
+    _say(f"run directory {run_dir}")
+    events = EventLog(run_dir / "events.jsonl")
+    accounting = WriteAccounting()
+    breaker = Breaker(opts.manifest, accounting, now=time.time, emit=events.emit)
+    daemon = Daemon(breaker, run_dir, str(opts.workspace), events, on_stop=lambda: None)
+    daemon.prepare()
+    fs = GuardFS(str(opts.workspace), opts.manifest, events, breaker, opts.cache_timeout,
+                 daemon.state_text, accounting)
+    os.umask(0)
+    pyfuse3.init(fs, str(mnt), mount_options(f"guardfs:{opts.manifest.task.id}"))
+    outcome = _Outcome()
+    try:
+        trio.run(_main, opts, bwrap, daemon, outcome)
+    finally:
+        pyfuse3.close(unmount=True)
+        fs.close()
+        daemon.cleanup()
+        events.close()
+        with contextlib.suppress(OSError):
+            mnt.rmdir()
+    status = _exit_status(outcome)
+    _summary(opts, breaker, accounting, events, outcome, status)
+    if not private:
+        _say("(unprivileged run: the mount lived in the host's mount namespace and has been removed)")
+    return status
+
+
+def _exit_status(outcome: _Outcome) -> int:
+    if outcome.tripped is not None:
+        return Exit.TRIPPED
+    if outcome.interrupted is not None:
+        return 128 + outcome.interrupted
+    return outcome.status if outcome.status is not None else Exit.SOFTWARE
+
+
+async def _main(opts: RunOptions, bwrap: str | None, daemon: Daemon, outcome: _Outcome) -> None:
+    async with trio.open_nursery() as services:
+        await services.start(daemon.run)
+        services.start_soon(pyfuse3.main)
+        try:
+            await _run_agent(opts, bwrap, daemon, outcome)
+        finally:
+            services.cancel_scope.cancel()
+
+
+def _agent_argv(
+    opts: RunOptions, bwrap: str | None, daemon: Daemon, pty: bool
+) -> tuple[list[str], Path, dict[str, str]]:
+    env = dict(os.environ)
+    mnt = opts.run_dir / "mnt"
+    rel = os.path.relpath(opts.cwd, opts.workspace) if opts.cwd.is_relative_to(opts.workspace) else "."
+    if bwrap is None:
+        env.update(GUARD_SOCKET=str(daemon.agent_path), GUARD_RUN_DIR=str(opts.run_dir),
+                   GUARD_WORKSPACE=str(mnt))
+        return list(opts.command), mnt / rel, env
+    cwd = opts.workspace / rel
+    argv = bwrap_argv(
+        bwrap=bwrap, mountpoint=str(mnt), workspace=str(opts.workspace), run_dir=str(opts.run_dir),
+        agent_socket=str(daemon.agent_path), cwd=str(cwd), command=opts.command,
+        writable=[str(p) for p in _extra_writable(opts)], pty=pty,
+    )
+    if pty:
+        argv = ["setsid", "--ctty", *argv]  # the pty becomes the agent's controlling terminal
+    return argv, Path("/"), env
+
+
+def _extra_writable(opts: RunOptions) -> list[Path]:
+    out = []
+    for entry in opts.manifest.sandbox.writable:
+        path = Path(os.path.expanduser(entry))
+        if path.exists():
+            out.append(path)
+    return out
+
+
+async def _run_agent(opts: RunOptions, bwrap: str | None, daemon: Daemon, outcome: _Outcome) -> None:
+    use_pty = not opts.ci and os.isatty(0) and os.isatty(1)
+    argv, cwd, env = _agent_argv(opts, bwrap, daemon, use_pty)
+    echo = None if opts.ci else console()
+    logs = opts.run_dir
+    async with trio.open_nursery() as nursery:
+        if use_pty:
+            master, slave = os.openpty()
+            _copy_winsize(0, slave)
+            proc = await trio.lowlevel.open_process(argv, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env)
+            os.close(slave)
+            recorder = Recorder(logs / "stdout.log", echo)
+            (logs / "stderr.log").touch()
+            nursery.start_soon(_pump_fd, master, recorder, daemon)
+            nursery.start_soon(_forward_stdin, master)
+        else:
+            proc = await trio.lowlevel.open_process(
+                argv, stdin=None if not opts.ci else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env,
+            )
+            assert proc.stdout is not None
+            assert proc.stderr is not None
+            err_echo = None if opts.ci else os.fdopen(os.dup(2), "wb", buffering=0)
+            nursery.start_soon(_pump, proc.stdout, Recorder(logs / "stdout.log", echo), daemon)
+            nursery.start_soon(_pump, proc.stderr, Recorder(logs / "stderr.log", err_echo), daemon)
+        tree = ProcessTree(proc.pid)
+        async with trio.open_nursery() as watchers:
+            watchers.start_soon(_watch, daemon.breaker, tree, opts, outcome)
+            watchers.start_soon(_on_signals, tree, outcome)
+            with _raw_terminal(use_pty):
+                code = await proc.wait()
+            outcome.status = 128 - code if code < 0 else code
+            watchers.cancel_scope.cancel()
+        if use_pty:
+            nursery.cancel_scope.cancel()  # the stdin forwarder never ends by itself
+
+
+async def _pump(stream: trio.abc.ReceiveStream, recorder: Recorder, daemon: Daemon) -> None:
+    try:
+        async for chunk in stream:
+            recorder.feed(bytes(chunk))
+            daemon.breaker.activity()
+    finally:
+        recorder.close()
+
+
+async def _pump_fd(fd: int, recorder: Recorder, daemon: Daemon) -> None:
+    stream = trio.lowlevel.FdStream(fd)
+    try:
+        while True:
+            try:
+                chunk = await stream.receive_some(65536)
+            except OSError:  # EIO: the pty's other end is gone
+                break
+            if not chunk:
+                break
+            recorder.feed(chunk)
+            daemon.breaker.activity()
+    finally:
+        recorder.close()
+        await stream.aclose()
+
+
+async def _forward_stdin(master: int) -> None:
+    source = trio.lowlevel.FdStream(os.dup(0))
+    sink = trio.lowlevel.FdStream(os.dup(master))
+    async with source, sink:
+        async for chunk in source:
+            await sink.send_all(chunk)
+
+
+def _copy_winsize(src: int, dst: int) -> None:
+    with contextlib.suppress(OSError):
+        termios.tcsetwinsize(dst, termios.tcgetwinsize(src))
+
+
+@contextlib.contextmanager
+def _raw_terminal(active: bool) -> Iterator[None]:
+    if not active:
+        yield
+        return
+    saved = termios.tcgetattr(0)
+    tty.setraw(0)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(0, termios.TCSADRAIN, saved)
+
+
+async def _watch(breaker: Breaker, tree: ProcessTree, opts: RunOptions, outcome: _Outcome) -> None:
+    """Freeze the tree on a terminal trip (or stop it in CI); thaw it on approve."""
+    stop_on_terminal = opts.ci or opts.manifest.breaker.on_terminal == "stop"
+    while True:
+        await trio.sleep(0.05)
+        state = breaker.state
+        if state is State.OPEN_STOPPED or (state.terminal and stop_on_terminal):
+            outcome.tripped = state
+            _say(f"breaker {state.value}: stopping the agent")
+            await tree.terminate()
+            return
+        if state.terminal and not tree.frozen:
+            tree.freeze()
+            _say(f"breaker {state.value}: the agent is frozen. Look at {opts.run_dir}/STATE.md, then "
+                 f"'guard approve --run-dir {opts.run_dir}' or 'guard stop --run-dir {opts.run_dir}'")
+        elif not state.terminal and tree.frozen:
+            tree.thaw()
+            _say("approved: the agent resumes")
+
+
+async def _on_signals(tree: ProcessTree, outcome: _Outcome) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+        async for signum in signals:
+            outcome.interrupted = signum
+            _say(f"{signal.Signals(signum).name}: ending the agent's process tree")
+            await tree.terminate()
+            return
+
+
+def _summary(opts: RunOptions, breaker: Breaker, accounting: WriteAccounting, events: EventLog,
+             outcome: _Outcome, status: int) -> None:
+    snap = breaker.snapshot()
+    files = sorted(accounting.files)
+    trips = ", ".join(f"{t['rule']} at step {t['step']}" for t in snap["trips"]) or "none"
+    lines = [
+        "run summary",
+        f"  exit status: {status}" + (f" (stopped: {outcome.tripped.value})" if outcome.tripped else ""),
+        f"  files mutated: {len(files)}" + (f" ({', '.join(files[:8])}{', ...' if len(files) > 8 else ''})"
+                                            if files else ""),
+        f"  denials: {events.counts['deny']}; trips: {trips}",
+        f"  tokens: {snap['tokens']['total']} in {snap['steps']} steps",
+        f"  run directory: {opts.run_dir} (stdout.log, stderr.log, events.jsonl, ledger.json, STATE.md)",
+    ]
+    if opts.ci:
+        logs = [opts.run_dir / "stdout.log", opts.run_dir / "stderr.log"]
+        what = f"agent exited with status {outcome.status}" if outcome.tripped is None else \
+            f"agent stopped by the breaker ({outcome.tripped.value})"
+        print(digest(what, logs), flush=True)
+    _say("\n".join(lines))
