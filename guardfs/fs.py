@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
@@ -29,6 +30,7 @@ from pyfuse3 import FUSEError
 
 from guardfs.accounting import WriteAccounting, WriteSession
 from guardfs.backing import Backing
+from guardfs.checkpoint import PreImages
 from guardfs.decision import (
     Decider,
     LimitsDecider,
@@ -148,8 +150,10 @@ class GuardFS(pyfuse3.Operations):
         cache_timeout: float = 60.0,
         state_text: Callable[[], str] | None = None,
         accounting: WriteAccounting | None = None,
+        checkpoint_dir: Path | None = None,
     ) -> None:
-        """Serve *backing* under *manifest*; *state_text* renders ``.guard/STATE.md``."""
+        """Serve *backing* under *manifest*; *state_text* renders ``.guard/STATE.md``;
+        with *checkpoint_dir*, pre-images are kept there for rollback."""
         super().__init__()
         self.backing = Backing(backing)
         self.policy = PathPolicy(manifest)
@@ -171,6 +175,7 @@ class GuardFS(pyfuse3.Operations):
         self._vhandles: dict[int, bytes] = {}
         self._next_vh = _VFH_BASE
         self._started_ns = time.time_ns()
+        self.preimages = PreImages(self.backing, checkpoint_dir) if checkpoint_dir is not None else None
         # A repository the agent creates during the run may configure itself (git init
         # rewrites its config several times); one that was there before may not.
         try:
@@ -187,6 +192,8 @@ class GuardFS(pyfuse3.Operations):
             os.close(d.fd)
         self._files.clear()
         self._dirs.clear()
+        if self.preimages is not None:
+            self.preimages.close()
         self.backing.close()
 
     # ----- the virtual .guard/STATE.md ------------------------------------------------
@@ -340,6 +347,40 @@ class GuardFS(pyfuse3.Operations):
         self._check(request)
         return request
 
+    def _pre(self, *paths: str) -> None:
+        """Keep the pre-image of each path before its first change since the checkpoint."""
+        if self.preimages is not None:
+            for path in paths:
+                self.preimages.before(path)
+
+    def _pre_move(self, *ends: tuple[str, os.stat_result | None]) -> None:
+        """Pre-images for a rename: a directory that moves takes its whole tree along."""
+        if self.preimages is None:
+            return
+        for path, st in ends:
+            if st is not None and stat.S_ISDIR(st.st_mode):
+                self.preimages.before_tree(path)
+            else:
+                self.preimages.before(path)
+
+    def rollback(self) -> list[str]:
+        """Restore the workspace to the last checkpoint and make the kernel forget what it
+        cached of the restored paths. Call from the event loop, outside any request."""
+        if self.preimages is None:
+            raise FUSEError(errno.ENOTSUP)
+        changed = self.preimages.rollback()
+        by_path = {e.path: e for e in self.inodes if not e.virtual}
+        for path in changed:
+            parent = by_path.get(path.rpartition("/")[0])
+            name = pyfuse3.FileNameT(os.fsencode(path.rpartition("/")[2]))
+            if parent is not None:
+                pyfuse3.invalidate_entry_async(pyfuse3.InodeT(parent.ino), name, ignore_enoent=True)
+            entry = by_path.get(path)
+            if entry is not None:
+                threading.Thread(target=_invalidate, args=(entry.ino,), daemon=True).start()
+        self.events.emit("rollback", "", "allow", paths=len(changed))
+        return changed
+
     def _chown_new(self, name: str, dir_fd: int, ctx: pyfuse3.RequestContext) -> None:
         if self._as_root and (ctx.uid, ctx.gid) != (0, 0):
             os.chown(name, ctx.uid, ctx.gid, dir_fd=dir_fd, follow_symlinks=False)
@@ -350,6 +391,7 @@ class GuardFS(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         """Judge, create with *make(dir_fd, name)*, and hand the new entry to the kernel."""
         request = self._mutation(op, path, where, counts=op != "mkdir")
+        self._pre(path)
         dir_fd, name = self.backing.parent(path)
         make(dir_fd, name)
         self._chown_new(name, dir_fd, ctx)
@@ -437,6 +479,7 @@ class GuardFS(pyfuse3.Operations):
             op = "utimes"
         where = self._where(path, st, entry.is_dir)
         request = self._mutation(op, path, where)
+        self._pre(path)
         if fields.update_size:
             if handle is not None and handle.writable:
                 os.ftruncate(handle.fd, attr.st_size)
@@ -533,6 +576,7 @@ class GuardFS(pyfuse3.Operations):
             new_files=self._new_files((path, target_where)),
         )
         self._check(request)
+        self._pre(path)
         src_dir, src_name = self.backing.parent(entry.path)
         dst_dir, dst_name = self.backing.parent(path)
         os.link(src_name, dst_name, src_dir_fd=src_dir, dst_dir_fd=dst_dir, follow_symlinks=False)
@@ -550,6 +594,7 @@ class GuardFS(pyfuse3.Operations):
         self._refuse_guard_dir("unlink", path)
         st = self.backing.lstat(path)
         request = self._mutation("unlink", path, self._where(path, st, False))
+        self._pre(path)
         dir_fd, n = self.backing.parent(path)
         os.unlink(n, dir_fd=dir_fd)
         self._done(request)
@@ -563,6 +608,7 @@ class GuardFS(pyfuse3.Operations):
         self._refuse_guard_dir("rmdir", path)
         st = self.backing.lstat(path)
         request = self._mutation("rmdir", path, self._where(path, st, True), counts=False)
+        self._pre(path)
         dir_fd, n = self.backing.parent(path)
         os.rmdir(n, dir_fd=dir_fd)
         self.backing.forget_dirs()
@@ -608,6 +654,7 @@ class GuardFS(pyfuse3.Operations):
             self._check_carried(request, src, dst)
             if exchange:
                 self._check_carried(request, dst, src)
+        self._pre_move((src, src_st), (dst, dst_st))
         old_dir, old_name = self.backing.parent(src)
         new_dir, new_name = self.backing.parent(dst)
         if flags:
@@ -680,6 +727,8 @@ class GuardFS(pyfuse3.Operations):
             session = WriteSession(entry.path, self._read_small(entry.path, self._stat(entry)))
             limit = self.limits.max_rewrites
             defer = bool(flags & os.O_TRUNC) and limit is not None and self.accounting.hot(entry.path, limit)
+        if writable:
+            self._pre(entry.path)
         fd = self._open_session_fd(entry.path, flags & ~(_STRIP_FLAGS | (os.O_TRUNC if defer else 0)), session)
         st = os.fstat(fd)
         if st.st_ino != entry.backing_ino:
@@ -706,6 +755,7 @@ class GuardFS(pyfuse3.Operations):
         _, path = self._child(parent_inode, name)
         where = self._where(path, None, False)
         request = self._mutation("create", path, where)
+        self._pre(path)
         dir_fd, n = self.backing.parent(path)
         cflags = (flags & ~_STRIP_FLAGS) | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         if where.scope.counted and cflags & os.O_ACCMODE == os.O_WRONLY:

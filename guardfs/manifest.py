@@ -203,6 +203,13 @@ class Breaker(_Strict):
             "forbidden_path, idle_transport and step_budget."
         ),
     )
+    rollback_on_consecutive_failures: bool = Field(
+        default=False,
+        description=(
+            "When the consecutive_failures breaker trips, also roll the workspace back to the "
+            "last checkpoint (the run's start, the last passing test, or guard checkpoint)."
+        ),
+    )
     on_terminal: Literal["freeze", "stop"] = Field(
         default="freeze",
         description=(

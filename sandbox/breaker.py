@@ -195,6 +195,7 @@ class Breaker:
         self.checkpoints: list[dict[str, Any]] = []
         self.last_feedback = ""
         self.version = 0  # bumped on every change, for the ledger writer
+        self.rollback_requested = False  # set by a trip the manifest wants rolled back
         self._refuse_next = False
         self._c = _Counters(window=collections.deque(maxlen=self.limits.window_steps))
         self._last_activity: float | None = None  # armed by the first agent message
@@ -296,15 +297,17 @@ class Breaker:
         if exit_code == 0:
             c.consecutive_failures = 0
             if _TEST_COMMAND.search(f"{tool} {summary} {c.calls[-1].text if c.calls else ''}"):
-                self._progress()
+                self.checkpoint(f"passing test: {summary or tool}"[:120])  # also progress
             self._changed()
             return Reply(not self.state.terminal, self.state, self._feedback_if_halted())
         c.consecutive_failures += 1
         self._changed()
         limit = self.limits.max_consecutive_failures
         if limit is not None and c.consecutive_failures >= limit:
-            return self._reply_trip(Rule.CONSECUTIVE_FAILURES, (
+            reply = self._reply_trip(Rule.CONSECUTIVE_FAILURES, (
                 f"{c.consecutive_failures} failed tool calls in a row (max_consecutive_failures={limit})"))
+            self.rollback_requested = self.manifest.breaker.rollback_on_consecutive_failures
+            return reply
         if self._stagnating():
             return self._reply_trip(Rule.STAGNATION, (
                 f"the last 3 tool inputs are over {self.limits.stagnation_similarity:.0%} alike and all failed"))

@@ -115,6 +115,8 @@ def _parser() -> argparse.ArgumentParser:
         ("approve", "resume a run after a trip (optionally raising the limit that tripped)"),
         ("stop", "stop a run"),
         ("checkpoint", "mark a known-good point in a run"),
+        ("rollback", "restore the workspace of a guard run to its last checkpoint (the run's start, "
+                     "the last passing test or guard checkpoint); works also after the run ended"),
     ):
         cmd = sub.add_parser(name, help=text, description=text + " (over the control socket in D).")
         cmd.add_argument("--run-dir", metavar="D", required=True, help="the run directory of the guard")
@@ -242,10 +244,33 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return Exit.UNAVAILABLE
 
 
+def _cmd_rollback_offline(run_dir: Path) -> int:
+    from guardfs.checkpoint import rollback_offline
+
+    marker = run_dir / "workspace"
+    if not marker.exists() or not (run_dir / "checkpoint").is_dir():
+        print(f"guard rollback: {run_dir} is not the run directory of a guard run", file=sys.stderr)
+        return Exit.USAGE
+    restored = rollback_offline(marker.read_text().strip(), run_dir / "checkpoint")
+    print(f"restored {len(restored)} path(s) to the last checkpoint")
+    return Exit.OK
+
+
 def _cmd_control(args: argparse.Namespace) -> int:
-    from sandbox.client import GuardClient, GuardClientError, control_socket_path
+    from sandbox.client import GuardClient, GuardClientError, GuardUnreachable, control_socket_path
     from sandbox.ledger import render_state
 
+    if args.verb == "rollback":
+        try:
+            with GuardClient(control_socket_path(args.run_dir)) as guard:
+                reply = guard.request({"type": "rollback"})
+        except GuardUnreachable:
+            return _cmd_rollback_offline(Path(args.run_dir))  # the run is over
+        except GuardClientError as err:
+            print(f"guard rollback: {err}", file=sys.stderr)
+            return Exit.USAGE
+        print(f"restored {reply['restored']} path(s) to the last checkpoint")
+        return Exit.OK
     try:
         with GuardClient(control_socket_path(args.run_dir)) as guard:
             if args.verb == "status":
@@ -309,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from sandbox.demo import run_demo
 
             return run_demo()
-        if args.verb in ("status", "approve", "stop", "checkpoint"):
+        if args.verb in ("status", "approve", "stop", "checkpoint", "rollback"):
             return _cmd_control(args)
         if args.verb == "run":
             return _cmd_run(args)

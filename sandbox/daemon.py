@@ -32,6 +32,7 @@ from sandbox.protocol import (
     Hello,
     Note,
     ProtocolError,
+    Rollback,
     Status,
     Step,
     Stop,
@@ -81,12 +82,16 @@ class Daemon:
         workspace: str,
         events: EventLog,
         on_stop: Callable[[], None] | None = None,
+        on_checkpoint: Callable[[], None] | None = None,
+        on_rollback: Callable[[], int] | None = None,
     ) -> None:
         self.breaker = breaker
         self.run_dir = run_dir
         self.workspace = os.path.abspath(workspace)
         self.events = events
         self.on_stop = on_stop or (lambda: None)
+        self.on_checkpoint = on_checkpoint or (lambda: None)
+        self.on_rollback = on_rollback
         self.agent_path = run_dir / AGENT_SOCKET
         self.control_path = run_dir / CONTROL_SOCKET
         self._written = -1
@@ -222,6 +227,23 @@ class Daemon:
         except ProtocolError as err:
             self.events.emit("protocol", kind, "deny", reason=str(err)[:500])
             return error_reply(str(err))
+        checkpoints = len(self.breaker.checkpoints)
+        reply = self._dispatch(msg, kind)
+        if len(self.breaker.checkpoints) != checkpoints:
+            self.on_checkpoint()
+        if self.breaker.rollback_requested:
+            self.breaker.rollback_requested = False
+            self._rollback()
+        return reply
+
+    def _rollback(self) -> dict[str, Any]:
+        if self.on_rollback is None:
+            return error_reply("this guard keeps no pre-images (rollback is for guard run)")
+        restored = self.on_rollback()
+        self.events.emit("rollback", "", "allow", paths=restored)
+        return {"v": VERSION, "ok": True, "state": self.breaker.state.value, "restored": restored}
+
+    def _dispatch(self, msg: Any, kind: str) -> dict[str, Any]:
         b = self.breaker
         if kind == "agent" and not isinstance(msg, Status):
             b.activity()
@@ -246,6 +268,8 @@ class Daemon:
                 return _reply(b.stop())
             case Checkpoint():
                 return _reply(b.checkpoint(msg.label))
+            case Rollback():
+                return self._rollback()
         raise AssertionError(f"unhandled message {msg!r}")  # the parsers admit nothing else
 
     def _relative(self, paths: list[str]) -> tuple[list[str], list[str]]:

@@ -103,6 +103,12 @@ class Stop(_Msg):
     type: Literal["stop"]
 
 
+class Rollback(_Msg):
+    """Restore the workspace to the last checkpoint."""
+
+    type: Literal["rollback"]
+
+
 class Checkpoint(_Msg):
     """Mark a known-good point."""
 
@@ -111,11 +117,11 @@ class Checkpoint(_Msg):
 
 
 AgentMessage = Annotated[Hello | Step | ToolResult | Check | Note | Status, Field(discriminator="type")]
-ControlMessage = Annotated[Status | Approve | Stop | Checkpoint, Field(discriminator="type")]
+ControlMessage = Annotated[Status | Approve | Stop | Checkpoint | Rollback, Field(discriminator="type")]
 _AGENT: TypeAdapter[AgentMessage] = TypeAdapter(AgentMessage)
 _CONTROL: TypeAdapter[ControlMessage] = TypeAdapter(ControlMessage)
 _AGENT_TYPES = ("hello", "step", "tool_result", "check", "note", "status")
-_CONTROL_TYPES = ("status", "approve", "stop", "checkpoint")
+_CONTROL_TYPES = ("status", "approve", "stop", "checkpoint", "rollback")
 
 
 class ProtocolError(ValueError):
@@ -132,7 +138,7 @@ def _parse(line: bytes, adapter: TypeAdapter[Any], allowed: tuple[str, ...], soc
     kind = data.get("type")
     if kind not in allowed:
         hint = ""
-        if socket == "agent" and kind in ("approve", "stop", "checkpoint"):
+        if socket == "agent" and kind in ("approve", "stop", "checkpoint", "rollback"):
             hint = ": the agent socket can report and ask, never approve, stop or loosen a limit"
         raise ProtocolError(f"unknown message type {kind!r} on the {socket} socket "
                             f"(expected one of {', '.join(allowed)}){hint}")
@@ -153,9 +159,9 @@ def parse_agent(line: bytes) -> Hello | Step | ToolResult | Check | Note | Statu
     return result
 
 
-def parse_control(line: bytes) -> Status | Approve | Stop | Checkpoint:
+def parse_control(line: bytes) -> Status | Approve | Stop | Checkpoint | Rollback:
     """Parse one control-socket line; raise ProtocolError naming the problem."""
-    result: Status | Approve | Stop | Checkpoint = _parse(line, _CONTROL, _CONTROL_TYPES, "control")
+    result: Status | Approve | Stop | Checkpoint | Rollback = _parse(line, _CONTROL, _CONTROL_TYPES, "control")
     return result
 
 

@@ -90,10 +90,14 @@ def run(opts: RunOptions) -> int:
     events = EventLog(run_dir / "events.jsonl")
     accounting = WriteAccounting()
     breaker = Breaker(opts.manifest, accounting, now=time.time, emit=events.emit)
-    daemon = Daemon(breaker, run_dir, str(opts.workspace), events, on_stop=lambda: None)
+    (run_dir / "workspace").write_text(str(opts.workspace))  # for an offline guard rollback
+    fs_box: list[GuardFS] = []
+    daemon = Daemon(breaker, run_dir, str(opts.workspace), events,
+                    on_checkpoint=lambda: _checkpoint(fs_box[0]), on_rollback=lambda: len(fs_box[0].rollback()))
     daemon.prepare()
     fs = GuardFS(str(opts.workspace), opts.manifest, events, breaker, opts.cache_timeout,
-                 daemon.state_text, accounting)
+                 daemon.state_text, accounting, checkpoint_dir=run_dir / "checkpoint")
+    fs_box.append(fs)
     os.umask(0)
     pyfuse3.init(fs, str(mnt), mount_options(f"guardfs:{opts.manifest.task.id}"))
     outcome = _Outcome()
@@ -111,6 +115,11 @@ def run(opts: RunOptions) -> int:
     if not private:
         _say("(unprivileged run: the mount lived in the host's mount namespace and has been removed)")
     return status
+
+
+def _checkpoint(fs: GuardFS) -> None:
+    if fs.preimages is not None:
+        fs.preimages.checkpoint()
 
 
 def _exit_status(outcome: _Outcome) -> int:

@@ -268,3 +268,81 @@ def test_agent_status_env_and_cwd(tmp_path: Path) -> None:
     assert (ws / "src/checkout/tax.py").read_text().endswith("# touched\n")
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert ledger["tokens"]["total"] == 1334
+
+
+@needs_root
+def test_rollback_after_create_modify_delete_rename(tmp_path: Path) -> None:
+    ws, manifest = workspace(tmp_path)
+    (ws / "src/checkout/old.py").write_text("OLD = 1\n")
+    (ws / "src/checkout/pkg").mkdir()
+    (ws / "src/checkout/pkg/mod.py").write_text("M = 1\n")
+    os.chmod(ws / "src/checkout/old.py", 0o640)
+    before = snapshot(ws)
+    run_dir = tmp_path / "run"
+    script = """
+        import os
+        os.makedirs("src/checkout/new/deep")
+        open("src/checkout/new/deep/created.py", "w").write("C = 1\\n")       # create
+        open("src/checkout/tax.py", "a").write("# modified\\n")               # modify
+        os.unlink("src/checkout/old.py")                                       # delete
+        os.rename("src/checkout/pkg", "src/checkout/pkg2")                     # rename a directory
+        open("src/checkout/pkg2/mod.py", "w").write("M = 2\\n")
+        os.rename("src/checkout/new/deep/created.py", "src/checkout/moved.py")  # rename a file
+    """
+    result = guard_run(manifest, ws, run_dir, script, "--ci")
+    assert result.returncode == 0, result.stderr
+    assert snapshot(ws) != before
+    rolled = subprocess.run([sys.executable, "-m", "sandbox", "rollback", "--run-dir", str(run_dir)],
+                            capture_output=True, text=True, timeout=60)
+    assert rolled.returncode == 0, rolled.stderr
+    after = snapshot(ws)
+    # Byte for byte and mode for mode (directory times aside: the kernel sets them).
+    strip = {k: (v[0], v[1]) for k, v in before.items()}
+    assert {k: (v[0], v[1]) for k, v in after.items()} == strip
+
+
+@needs_root
+def test_terminal_trip_freezes_then_rollback_and_approve_resume(tmp_path: Path) -> None:
+    ws, manifest = workspace(tmp_path)
+    run_dir = tmp_path / "run"
+    script = """
+        import time
+        from sandbox.client import GuardClient
+        open("src/checkout/tax.py", "w").write("def total(x):\\n    return -x\\n")
+        for _ in range(2):  # out of scope twice: HALF_OPEN, then terminal
+            try:
+                open("README.md", "a").write("spill")
+            except OSError as err:
+                print("refused:", err.strerror, flush=True)
+        with GuardClient() as guard:
+            while guard.status()["state"] != "CLOSED":
+                time.sleep(0.05)
+        print("after approve:", open("src/checkout/tax.py").read().splitlines()[-1].strip(), flush=True)
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sandbox", "run", "--manifest", str(manifest), "--run-dir", str(run_dir), "--",
+         sys.executable, "-c", textwrap.dedent(script) + "# guardfs-freeze-marker"],
+        cwd=ws, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+    )
+    try:
+        def agent_stopped() -> bool:
+            return any(p.status() == psutil.STATUS_STOPPED for p in psutil.process_iter(["cmdline"])
+                       if "guardfs-freeze-marker" in " ".join(p.info["cmdline"] or []))
+
+        wait_for(agent_stopped, "the agent to be frozen after the terminal trip")
+        assert (ws / "src/checkout/tax.py").read_text() == "def total(x):\n    return -x\n"
+        cli = [sys.executable, "-m", "sandbox"]
+        rolled = subprocess.run([*cli, "rollback", "--run-dir", str(run_dir)], capture_output=True, text=True)
+        assert rolled.returncode == 0 and "restored" in rolled.stdout, rolled.stderr
+        assert (ws / "src/checkout/tax.py").read_text() == "def total(x):\n    return x\n"
+        assert subprocess.run([*cli, "approve", "--run-dir", str(run_dir)], capture_output=True).returncode == 0
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    log = (run_dir / "stdout.log").read_text()
+    assert log.count("refused: Read-only file system") == 2
+    assert "after approve: return x" in log  # the agent sees the rolled-back file through the mount
+    assert "frozen" in err and "approved: the agent resumes" in err
