@@ -110,6 +110,18 @@ def _parser() -> argparse.ArgumentParser:
                      help="seconds the kernel may cache entries and attributes (default 60)")
     run.add_argument("command", metavar="CMD", nargs=argparse.REMAINDER, help="the agent's command, after --")
 
+    exe = sub.add_parser(
+        "exec",
+        help="run one tool command quarantined: full logs, a digest on the console, its status to the breaker",
+        description=(
+            "Run CMD with its output recorded in full under $GUARD_RUN_DIR/exec/ and a digest "
+            "(exit status, failing lines, log paths; at most 1,200 characters) on the console, "
+            "and report its exit status to the guard (GUARD_SOCKET). Exits with CMD's status."
+        ),
+    )
+    exe.add_argument("--live", action="store_true", help="also stream the output as it comes")
+    exe.add_argument("command", metavar="CMD", nargs=argparse.REMAINDER, help="the command, after --")
+
     for name, text in (
         ("status", "print the breaker's state and the ledger of a running guard"),
         ("approve", "resume a run after a trip (optionally raising the limit that tripped)"),
@@ -338,6 +350,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_control(args)
         if args.verb == "run":
             return _cmd_run(args)
+        if args.verb == "exec":
+            from sandbox.exec import run_exec
+
+            command = args.command[1:] if args.command[:1] == ["--"] else args.command
+            if not command:
+                print("guard exec: no command given (guard exec -- CMD ARGS...)", file=sys.stderr)
+                return Exit.USAGE
+            return run_exec(command, live=args.live)
         if args.verb == "feed":
             return _cmd_feed(args)
         return _cmd_mount(args)

@@ -144,6 +144,10 @@ def _agent_argv(
     opts: RunOptions, bwrap: str | None, daemon: Daemon, pty: bool
 ) -> tuple[list[str], Path, dict[str, str]]:
     env = dict(os.environ)
+    # `guard exec` and `guard hook` must be found inside; appended, so the agent's own
+    # python and tools keep precedence.
+    tools = f"{Path(sys.argv[0]).resolve().parent}:{Path(sys.executable).parent}"
+    env["PATH"] = f"{env.get('PATH', '/usr/bin:/bin')}:{tools}"
     mnt = opts.run_dir / "mnt"
     rel = os.path.relpath(opts.cwd, opts.workspace) if opts.cwd.is_relative_to(opts.workspace) else "."
     if bwrap is None:

@@ -346,3 +346,30 @@ def test_terminal_trip_freezes_then_rollback_and_approve_resume(tmp_path: Path) 
     assert log.count("refused: Read-only file system") == 2
     assert "after approve: return x" in log  # the agent sees the rolled-back file through the mount
     assert "frozen" in err and "approved: the agent resumes" in err
+
+
+@needs_root
+def test_guard_exec_quarantines_a_command_and_reports_it(tmp_path: Path) -> None:
+    ws, manifest = workspace(tmp_path)
+    run_dir = tmp_path / "run"
+    script = """
+        import subprocess, sys
+        for code in (3, 4):
+            r = subprocess.run(["guard", "exec", "--", sys.executable, "-c",
+                                f"print('x' * 100000); raise SystemExit({code})"], capture_output=True, text=True)
+            print("exec status", r.returncode, "digest chars", len(r.stdout), flush=True)
+        r = subprocess.run(["guard", "exec", "--", "sh", "-c", "echo '1 passed' && : pytest"], capture_output=True,
+                           text=True)
+        print("exec status", r.returncode, flush=True)
+    """
+    result = guard_run(manifest, ws, run_dir, script, "--ci")
+    assert result.returncode == 0, result.stderr
+    log = (run_dir / "stdout.log").read_text()
+    assert "exec status 3 digest chars" in log and "exec status 4" in log and "exec status 0" in log
+    assert all(int(line.split()[-1]) <= 1200 for line in log.splitlines() if "digest chars" in line)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    results = [e["exit_code"] for e in events if e["op"] == "tool_result"]
+    assert results == [3, 4, 0]
+    assert any(e["op"] == "checkpoint" for e in events)  # the passing test marked one
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert ledger["consecutive_failures"] == 0

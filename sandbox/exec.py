@@ -1,0 +1,74 @@
+"""``guard exec -- CMD``: one tool command, quarantined, reported to the breaker.
+
+Inside ``guard run`` an agent (or its harness) runs test and build commands through it:
+the full output goes to logs under ``$GUARD_RUN_DIR/exec/``, the console gets a digest
+(exit status, the failing lines in at most 1,200 characters, the logs' paths), and the
+exit status goes to the breaker as a ``tool_result`` (consecutive failures, stagnation; a
+passing test marks a checkpoint). ``--live`` also streams the output as it comes.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+from sandbox.client import GuardClient, GuardClientError
+from sandbox.quarantine import Recorder, digest
+
+__all__ = ["run_exec"]
+
+
+def _pump(stream: IO[bytes], recorder: Recorder) -> None:
+    fd = stream.fileno()
+    for chunk in iter(lambda: os.read(fd, 65536), b""):
+        recorder.feed(chunk)
+    recorder.close()
+
+
+def run_exec(command: list[str], live: bool = False) -> int:
+    """Run *command*; returns its exit status (127 when it cannot start)."""
+    base = Path(os.environ.get("GUARD_RUN_DIR") or tempfile.gettempdir()) / "exec"
+    base.mkdir(parents=True, exist_ok=True)
+    stem = base / f"{time.strftime('%H%M%S')}-{os.getpid()}"
+    out_log, err_log = Path(f"{stem}.out.log"), Path(f"{stem}.err.log")
+    echo_out = os.fdopen(os.dup(1), "wb", buffering=0) if live else None
+    echo_err = os.fdopen(os.dup(2), "wb", buffering=0) if live else None
+    try:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except OSError as err:
+        print(f"guard exec: cannot run {command[0]}: {err.strerror}", file=sys.stderr)
+        status = 127
+    else:
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        pumps = [threading.Thread(target=_pump, args=(proc.stdout, Recorder(out_log, echo_out))),
+                 threading.Thread(target=_pump, args=(proc.stderr, Recorder(err_log, echo_err)))]
+        for t in pumps:
+            t.start()
+        code = proc.wait()
+        for t in pumps:
+            t.join()
+        status = 128 - code if code < 0 else code
+    print(digest(f"{shlex.join(command)} exited with status {status}", [out_log, err_log]), flush=True)
+    _report(command, status)
+    return status
+
+
+def _report(command: list[str], status: int) -> None:
+    if not os.environ.get("GUARD_SOCKET"):
+        return
+    try:
+        with GuardClient() as guard:
+            reply = guard.tool_result("exec", status, shlex.join(command)[:4000])
+    except GuardClientError as err:
+        print(f"guard exec: could not report to the guard: {err}", file=sys.stderr)
+        return
+    if reply.get("feedback"):
+        print(reply["feedback"], file=sys.stderr)
