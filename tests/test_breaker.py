@@ -271,5 +271,15 @@ def test_passing_test_is_progress_and_notes_reach_the_snapshot() -> None:
     b.checkpoint("green")
     snap = b.snapshot()
     assert snap["notes"][0]["kind"] == "disproved"
-    assert snap["checkpoints"][0]["label"] == "green"
+    assert [c["label"] for c in snap["checkpoints"]] == ["passing test: pytest tests/checkout", "green"]
     assert b.stop().state is State.OPEN_STOPPED
+
+
+def test_the_same_refusal_again_is_not_a_second_violation() -> None:
+    b, _ = make()
+    fs(b, "open", "src/auth/session.ts")
+    again = fs(b, "open", "src/auth/session.ts")  # a retry of the very same act
+    assert not again.allow
+    assert state_of(b) is State.HALF_OPEN_REANCHOR
+    fs(b, "open", "src/auth/other.ts")  # a different violation
+    assert state_of(b) is State.OPEN_SCOPE_SPILL
