@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
+import socket
+import stat
+import struct
+import subprocess
 from collections.abc import Awaitable, Callable, Sequence
 
 import pyfuse3
@@ -13,7 +18,7 @@ import trio
 from guardfs.errors import MountError
 from guardfs.fs import GuardFS
 
-__all__ = ["check_fuse_available", "mount_options", "serve"]
+__all__ = ["check_fuse_available", "fusermount", "init_mount", "mount_options", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +30,14 @@ def check_fuse_available() -> None:
             "/dev/fuse does not exist: load the fuse module (modprobe fuse) or, in a container, "
             "pass --device /dev/fuse --cap-add SYS_ADMIN"
         )
-    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
-        raise MountError("/dev/fuse is not readable and writable by this user")
+    if os.access("/dev/fuse", os.R_OK | os.W_OK):
+        return
+    helper = shutil.which("fusermount3")
+    if helper is None or not os.stat(helper).st_mode & stat.S_ISUID:
+        raise MountError(
+            "/dev/fuse is not readable and writable by this user, and there is no setuid fusermount3 "
+            "to mount for it (apt-get install fuse3)"
+        )
 
 
 def mount_options(name: str = "guardfs") -> set[str]:
@@ -35,6 +46,60 @@ def mount_options(name: str = "guardfs") -> set[str]:
     if os.geteuid() == 0:
         options.add("allow_other")  # the agent may run as another user
     return options
+
+
+def fusermount(mountpoint: str, options: set[str]) -> tuple[int, subprocess.Popen[bytes]]:
+    """Mount through the setuid ``fusermount3`` and receive the /dev/fuse fd from it.
+
+    For a user who cannot open /dev/fuse (libfuse only falls back to fusermount3 when
+    mount(2) fails, not when the device cannot be opened). With ``auto_unmount``,
+    fusermount3 stays behind and unmounts as soon as our end of the device closes: even a
+    guard killed by SIGKILL leaves no mount.
+    """
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        proc = subprocess.Popen(
+            ["fusermount3", "-o", ",".join(sorted(options | {"auto_unmount"})), "--", mountpoint],
+            env={**os.environ, "_FUSE_COMMFD": str(theirs.fileno())}, pass_fds=[theirs.fileno()],
+        )
+        theirs.close()
+        _msg, ancdata, _flags, _addr = ours.recvmsg(1, socket.CMSG_SPACE(struct.calcsize("i")))
+    finally:
+        ours.close()
+        theirs.close()
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            return struct.unpack("i", data[: struct.calcsize("i")])[0], proc
+    proc.wait()
+    raise MountError(f"fusermount3 could not mount {mountpoint} (exit status {proc.returncode})")
+
+
+def init_mount(fs: GuardFS, mountpoint: str, options: set[str]) -> Callable[[], None]:
+    """Mount *fs* and return the function that unmounts it.
+
+    As root, libfuse mounts directly (``guard run`` does so in a private mount namespace).
+    Anyone else mounts through fusermount3 with ``auto_unmount``, so that a guard killed by
+    SIGKILL leaves no mount behind.
+    """
+    if os.geteuid() == 0:
+        try:
+            pyfuse3.init(fs, mountpoint, options)
+        except RuntimeError as err:
+            raise MountError(f"cannot mount at {mountpoint}: {err}") from err
+        return lambda: pyfuse3.close(unmount=True)
+    fd, helper = fusermount(mountpoint, options)
+    try:
+        pyfuse3.init(fs, f"/dev/fd/{fd}", options)
+    except RuntimeError as err:
+        raise MountError(f"cannot serve the mount at {mountpoint}: {err}") from err
+
+    def unmount() -> None:
+        pyfuse3.close(unmount=False)
+        subprocess.run(["fusermount3", "-u", "-z", mountpoint], check=False, stderr=subprocess.DEVNULL)
+        os.close(fd)
+        helper.wait(timeout=10)
+
+    return unmount
 
 
 async def _serve(

@@ -28,7 +28,7 @@ from guardfs.accounting import WriteAccounting
 from guardfs.events import EventLog
 from guardfs.fs import GuardFS
 from guardfs.manifest import Manifest
-from guardfs.mount import check_fuse_available, mount_options
+from guardfs.mount import check_fuse_available, init_mount, mount_options
 from sandbox.breaker import Breaker, State
 from sandbox.daemon import Daemon
 from sandbox.exitcodes import Exit
@@ -99,12 +99,12 @@ def run(opts: RunOptions) -> int:
                  daemon.state_text, accounting, checkpoint_dir=run_dir / "checkpoint")
     fs_box.append(fs)
     os.umask(0)
-    pyfuse3.init(fs, str(mnt), mount_options(f"guardfs:{opts.manifest.task.id}"))
+    unmount = init_mount(fs, str(mnt), mount_options(f"guardfs:{opts.manifest.task.id}"))
     outcome = _Outcome()
     try:
         trio.run(_main, opts, bwrap, daemon, outcome)
     finally:
-        pyfuse3.close(unmount=True)
+        unmount()
         fs.close()
         daemon.cleanup()
         events.close()

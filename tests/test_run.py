@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -373,3 +375,55 @@ def test_guard_exec_quarantines_a_command_and_reports_it(tmp_path: Path) -> None
     assert any(e["op"] == "checkpoint" for e in events)  # the passing test marked one
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert ledger["consecutive_failures"] == 0
+
+
+UNPRIVILEGED_PYTHON = "/usr/bin/python3"
+
+
+def _unprivileged_precondition(tmp: Path) -> str | None:
+    """Why an unprivileged guard cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "needs root to drop to another user"
+    probe = subprocess.run(
+        ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", UNPRIVILEGED_PYTHON, "-c",
+         "import os; f = os.open('/dev/fuse', os.O_RDWR); import pyfuse3, sandbox"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": _pythonpath()}, cwd=tmp,
+    )
+    if probe.returncode != 0:
+        return ("an unprivileged user cannot use FUSE or this installation here: "
+                + probe.stderr.strip().splitlines()[-1])
+    return None
+
+
+def _pythonpath() -> str:
+    import pyfuse3
+
+    import sandbox
+    return ":".join([str(Path(pyfuse3.__file__).parent.parent), str(Path(sandbox.__file__).parent.parent)])
+
+
+def test_unprivileged_guard_run(tmp_path: Path) -> None:
+    """The whole of guard run as an unprivileged user (uid 65534): fusermount3, bubblewrap in a
+    user namespace, Landlock. /dev/fuse must be open to users (0666, as Debian ships it)."""
+    base = Path(tempfile.mkdtemp(prefix="guardfs-unpriv-"))
+    try:
+        os.chmod(base, 0o755)  # noqa: S103 - the other user must reach it
+        reason = _unprivileged_precondition(base)
+        if reason is not None:
+            pytest.skip(reason)
+        ws, manifest = workspace(base)
+        subprocess.run(["chown", "-R", "65534:65534", str(base)], check=True)
+        result = subprocess.run(
+            ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", UNPRIVILEGED_PYTHON, "-m",
+             "sandbox", "run", "--ci", "--manifest", str(manifest), "--run-dir", str(base / "run"), "--",
+             "sh", "-c", "echo '# ok' >> src/checkout/tax.py; echo x > README.md; id -u"],
+            cwd=ws, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": _pythonpath(), "HOME": str(base)},
+        )
+        assert result.returncode in (0, 1), result.stderr
+        assert (ws / "src/checkout/tax.py").read_text().endswith("# ok\n")
+        assert (ws / "README.md").read_text() == "readme\n"
+        with open("/proc/self/mountinfo", encoding="utf-8") as f:
+            assert "guardfs" not in f.read()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
