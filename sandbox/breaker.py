@@ -37,6 +37,8 @@ _TEST_COMMAND = re.compile(r"\b(pytest|py\.test|unittest|tox|nox|jest|vitest|moc
                            r"npm (run )?test|yarn test|pnpm test|make (test|check)|ctest|rspec|phpunit)\b")
 # One encoder for every call's canonical form (json.dumps with options builds a new one).
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str)
+# A refusal repeated this soon, identically, is the same act retried below the agent.
+_SAME_ACT_S = 2.0
 # git stats every tracked file: a forbidden one it meets is refused, but is no trip.
 _BENIGN_LOOKUP_ACTORS = frozenset({"git"})
 
@@ -484,9 +486,9 @@ class Breaker:
             return Verdict(False, f"breaker {self.state.value}", None, err, self.last_feedback or reason)
         last = self.trips[-1] if self.trips else None
         if (self.state is State.HALF_OPEN_REANCHOR and last is not None and last.rule is rule
-                and last.reason == reason):
-            # The same refused act again (a retry, or a buffered write failing again at
-            # close): refused again, but not a second violation.
+                and last.reason == reason and self.now() - last.time < _SAME_ACT_S):
+            # The same refused act again at once (a buffered write failing again at close,
+            # a library's retry): refused again, but not a second violation.
             return Verdict(False, refused.rule if refused else _limit_rule(rule), None, err, self.last_feedback)
         if self.state is State.CLOSED and rule in self._recoverable:
             self.state = State.HALF_OPEN_REANCHOR

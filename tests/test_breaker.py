@@ -276,10 +276,15 @@ def test_passing_test_is_progress_and_notes_reach_the_snapshot() -> None:
 
 
 def test_the_same_refusal_again_is_not_a_second_violation() -> None:
-    b, _ = make()
+    b, clock = make()
     fs(b, "open", "src/auth/session.ts")
-    again = fs(b, "open", "src/auth/session.ts")  # a retry of the very same act
+    again = fs(b, "open", "src/auth/session.ts")  # the very same act, retried at once
     assert not again.allow
     assert state_of(b) is State.HALF_OPEN_REANCHOR
+    clock.t += 5
+    fs(b, "open", "src/auth/session.ts")  # the agent trying it again later: a violation
+    assert state_of(b) is State.OPEN_SCOPE_SPILL
+    b.approve()
+    fs(b, "open", "src/auth/session.ts")
     fs(b, "open", "src/auth/other.ts")  # a different violation
     assert state_of(b) is State.OPEN_SCOPE_SPILL

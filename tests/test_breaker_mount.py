@@ -75,9 +75,9 @@ def test_half_open_then_terminal_then_approve_from_the_cli(tmp_path: Path) -> No
         assert state_of(breaker).value == "HALF_OPEN_REANCHOR"
         (g.mnt / "src/checkout/a.py").write_text("a = 1\n")  # back in scope, progress
         assert state_of(breaker).value == "CLOSED"
-        for _ in range(2):  # spill, then spill again while HALF_OPEN: terminal
+        for name in ("README.md", "NOTES.md"):  # spill, then another while HALF_OPEN: terminal
             with pytest.raises(OSError):
-                (g.mnt / "README.md").write_text("spill")
+                (g.mnt / name).write_text("spill")
         assert state_of(breaker).value == "OPEN_SCOPE_SPILL"
         with pytest.raises(OSError) as info:
             (g.mnt / "src/checkout/b.py").write_text("b = 1\n")

@@ -311,9 +311,10 @@ def test_terminal_trip_freezes_then_rollback_and_approve_resume(tmp_path: Path) 
         import time
         from sandbox.client import GuardClient
         open("src/checkout/tax.py", "w").write("def total(x):\\n    return -x\\n")
-        for _ in range(2):  # out of scope twice: HALF_OPEN, then terminal
+        for name in ("README.md", "NOTES.md"):  # out of scope twice: HALF_OPEN, then terminal
             try:
-                open("README.md", "a").write("spill")
+                with open(name, "a") as f:
+                    f.write("spill")
             except OSError as err:
                 print("refused:", err.strerror, flush=True)
         with GuardClient() as guard:
