@@ -108,6 +108,8 @@ def _parser() -> argparse.ArgumentParser:
                      "goes through it)")
     run.add_argument("--cache-timeout", metavar="S", type=float, default=60.0,
                      help="seconds the kernel may cache entries and attributes (default 60)")
+    run.add_argument("--user", metavar="NAME", help="run the agent as this user (the guard must be root; "
+                     "the devcontainer case)")
     run.add_argument("command", metavar="CMD", nargs=argparse.REMAINDER, help="the agent's command, after --")
 
     exe = sub.add_parser(
@@ -246,8 +248,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if run_dir.exists() and any(run_dir.iterdir()):
         print(f"guard run: run directory {run_dir} is not empty; give a new one", file=sys.stderr)
         return Exit.USAGE
+    if args.user is not None:
+        import pwd
+
+        try:
+            pwd.getpwnam(args.user)
+        except KeyError:
+            print(f"guard run: no such user {args.user!r}", file=sys.stderr)
+            return Exit.USAGE
+        if os.geteuid() != 0:
+            print("guard run: --user needs the guard to run as root", file=sys.stderr)
+            return Exit.USAGE
     options = RunOptions(manifest, workspace, run_dir, command, Path(os.path.realpath(os.getcwd())),
-                         ci=args.ci, isolation=not args.no_isolation, cache_timeout=args.cache_timeout)
+                         ci=args.ci, isolation=not args.no_isolation, cache_timeout=args.cache_timeout,
+                         user=args.user)
     try:
         return run(options)
     except IsolationUnavailable as err:

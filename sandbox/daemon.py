@@ -84,6 +84,7 @@ class Daemon:
         on_stop: Callable[[], None] | None = None,
         on_checkpoint: Callable[[], None] | None = None,
         on_rollback: Callable[[], int] | None = None,
+        agent_path: Path | None = None,
     ) -> None:
         self.breaker = breaker
         self.run_dir = run_dir
@@ -92,7 +93,7 @@ class Daemon:
         self.on_stop = on_stop or (lambda: None)
         self.on_checkpoint = on_checkpoint or (lambda: None)
         self.on_rollback = on_rollback
-        self.agent_path = run_dir / AGENT_SOCKET
+        self.agent_path = agent_path or run_dir / AGENT_SOCKET
         self.control_path = run_dir / CONTROL_SOCKET
         self._written = -1
         self._stopping = False

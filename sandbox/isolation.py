@@ -19,7 +19,10 @@ from dataclasses import dataclass
 
 from sandbox.landlock import LandlockUnavailable, abi_version
 
-__all__ = ["SANDBOX_RUN_DIR", "Isolation", "IsolationUnavailable", "bwrap_argv", "private_mount_namespace", "probe"]
+__all__ = [
+    "SANDBOX_RUN_DIR", "Isolation", "IsolationUnavailable", "bwrap_argv", "private_mount_namespace", "probe",
+    "system_entry",
+]
 
 #: Where the agent finds the guard inside the sandbox (GUARD_RUN_DIR).
 SANDBOX_RUN_DIR = "/tmp/guard"
@@ -86,6 +89,17 @@ def _keep_visible(covered: Sequence[str]) -> list[str]:
     return out
 
 
+def system_entry() -> list[str]:
+    """Run sandbox.enter with the system's python3, for an agent user who cannot reach this
+    interpreter (a virtualenv under /root, say): it needs the standard library only."""
+    import sandbox
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(sandbox.__file__)))
+    python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+    code = f"import sys; sys.path.insert(0, {root!r}); from sandbox.enter import main; sys.exit(main())"
+    return [python, "-c", code]
+
+
 def bwrap_argv(
     *,
     bwrap: str,
@@ -97,8 +111,12 @@ def bwrap_argv(
     command: Sequence[str],
     writable: Sequence[str] = (),
     pty: bool = False,
+    entry: Sequence[str] | None = None,
 ) -> list[str]:
-    """The full command line that starts *command* isolated, in *cwd*."""
+    """The full command line that starts *command* isolated, in *cwd*.
+
+    *entry* is how to run :mod:`sandbox.enter` (default: this interpreter, ``-m``).
+    """
     argv = [
         bwrap,
         "--die-with-parent",
@@ -125,7 +143,7 @@ def bwrap_argv(
         "--setenv", "GUARD_RUN_DIR", SANDBOX_RUN_DIR,
         "--setenv", "GUARD_WORKSPACE", workspace,
         "--",
-        sys.executable, "-m", "sandbox.enter",
+        *(entry or [sys.executable, "-m", "sandbox.enter"]),
         "--write", workspace, "--write", "/tmp", "--write", "/dev",
         *(f"--write={p}" for p in writable),
         "--", *command,

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import signal
 import subprocess
 import sys
+import tempfile
 import termios
 import time
 import tty
@@ -32,7 +34,7 @@ from guardfs.mount import check_fuse_available, init_mount, mount_options
 from sandbox.breaker import Breaker, State
 from sandbox.daemon import Daemon
 from sandbox.exitcodes import Exit
-from sandbox.isolation import bwrap_argv, private_mount_namespace, probe
+from sandbox.isolation import bwrap_argv, private_mount_namespace, probe, system_entry
 from sandbox.quarantine import Recorder, console, digest
 from sandbox.supervisor import ProcessTree
 
@@ -51,6 +53,7 @@ class RunOptions:
     ci: bool = False
     isolation: bool = True
     cache_timeout: float = 60.0
+    user: str | None = None  # run the agent as this user (the guard stays root)
 
 
 @dataclass
@@ -83,7 +86,12 @@ def run(opts: RunOptions) -> int:
              "and reach the real workspace; only the mount's own rules apply to what goes through it")
     run_dir = opts.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    mnt = run_dir / "mnt"
+    # What the agent's side must reach (the mount, the agent socket) lives in the run
+    # directory, or, for an agent of another user, in a staging directory that user can
+    # traverse (the run directory stays private: it holds the control socket).
+    stage = run_dir if opts.user is None else Path(tempfile.mkdtemp(prefix="guardfs-stage-"))
+    os.chmod(stage, 0o711 if opts.user is not None else 0o755)
+    mnt = stage / "mnt"
     mnt.mkdir(exist_ok=True)
     private = private_mount_namespace()  # before trio starts any thread
     _say(f"run directory {run_dir}")
@@ -93,7 +101,8 @@ def run(opts: RunOptions) -> int:
     (run_dir / "workspace").write_text(str(opts.workspace))  # for an offline guard rollback
     fs_box: list[GuardFS] = []
     daemon = Daemon(breaker, run_dir, str(opts.workspace), events,
-                    on_checkpoint=lambda: _checkpoint(fs_box[0]), on_rollback=lambda: len(fs_box[0].rollback()))
+                    on_checkpoint=lambda: _checkpoint(fs_box[0]), on_rollback=lambda: len(fs_box[0].rollback()),
+                    agent_path=stage / "agent.sock")
     daemon.prepare()
     fs = GuardFS(str(opts.workspace), opts.manifest, events, breaker, opts.cache_timeout,
                  daemon.state_text, accounting, checkpoint_dir=run_dir / "checkpoint")
@@ -102,7 +111,7 @@ def run(opts: RunOptions) -> int:
     unmount = init_mount(fs, str(mnt), mount_options(f"guardfs:{opts.manifest.task.id}"))
     outcome = _Outcome()
     try:
-        trio.run(_main, opts, bwrap, daemon, outcome)
+        trio.run(_main, opts, bwrap, daemon, outcome, mnt)
     finally:
         unmount()
         fs.close()
@@ -110,6 +119,8 @@ def run(opts: RunOptions) -> int:
         events.close()
         with contextlib.suppress(OSError):
             mnt.rmdir()
+            if stage != run_dir:
+                stage.rmdir()
     status = _exit_status(outcome)
     _summary(opts, breaker, accounting, events, outcome, status)
     if not private:
@@ -130,25 +141,24 @@ def _exit_status(outcome: _Outcome) -> int:
     return outcome.status if outcome.status is not None else Exit.SOFTWARE
 
 
-async def _main(opts: RunOptions, bwrap: str | None, daemon: Daemon, outcome: _Outcome) -> None:
+async def _main(opts: RunOptions, bwrap: str | None, daemon: Daemon, outcome: _Outcome, mnt: Path) -> None:
     async with trio.open_nursery() as services:
         await services.start(daemon.run)
         services.start_soon(pyfuse3.main)
         try:
-            await _run_agent(opts, bwrap, daemon, outcome)
+            await _run_agent(opts, bwrap, daemon, outcome, mnt)
         finally:
             services.cancel_scope.cancel()
 
 
 def _agent_argv(
-    opts: RunOptions, bwrap: str | None, daemon: Daemon, pty: bool
+    opts: RunOptions, bwrap: str | None, daemon: Daemon, pty: bool, mnt: Path
 ) -> tuple[list[str], Path, dict[str, str]]:
     env = dict(os.environ)
     # `guard exec` and `guard hook` must be found inside; appended, so the agent's own
     # python and tools keep precedence.
     tools = f"{Path(sys.argv[0]).resolve().parent}:{Path(sys.executable).parent}"
     env["PATH"] = f"{env.get('PATH', '/usr/bin:/bin')}:{tools}"
-    mnt = opts.run_dir / "mnt"
     rel = os.path.relpath(opts.cwd, opts.workspace) if opts.cwd.is_relative_to(opts.workspace) else "."
     if bwrap is None:
         env.update(GUARD_SOCKET=str(daemon.agent_path), GUARD_RUN_DIR=str(opts.run_dir),
@@ -159,7 +169,13 @@ def _agent_argv(
         bwrap=bwrap, mountpoint=str(mnt), workspace=str(opts.workspace), run_dir=str(opts.run_dir),
         agent_socket=str(daemon.agent_path), cwd=str(cwd), command=opts.command,
         writable=[str(p) for p in _extra_writable(opts)], pty=pty,
+        entry=system_entry() if opts.user is not None else None,
     )
+    if opts.user is not None:
+        pw = pwd.getpwnam(opts.user)
+        env.update(HOME=pw.pw_dir, USER=pw.pw_name, LOGNAME=pw.pw_name)
+        # bubblewrap then runs unprivileged, in a user namespace of its own.
+        argv = ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups", *argv]
     if pty:
         argv = ["setsid", "--ctty", *argv]  # the pty becomes the agent's controlling terminal
     return argv, Path("/"), env
@@ -174,9 +190,9 @@ def _extra_writable(opts: RunOptions) -> list[Path]:
     return out
 
 
-async def _run_agent(opts: RunOptions, bwrap: str | None, daemon: Daemon, outcome: _Outcome) -> None:
+async def _run_agent(opts: RunOptions, bwrap: str | None, daemon: Daemon, outcome: _Outcome, mnt: Path) -> None:
     use_pty = not opts.ci and os.isatty(0) and os.isatty(1)
-    argv, cwd, env = _agent_argv(opts, bwrap, daemon, use_pty)
+    argv, cwd, env = _agent_argv(opts, bwrap, daemon, use_pty, mnt)
     echo = None if opts.ci else console()
     logs = opts.run_dir
     async with trio.open_nursery() as nursery:

@@ -428,3 +428,27 @@ def test_unprivileged_guard_run(tmp_path: Path) -> None:
             assert "guardfs" not in f.read()
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+@needs_root
+def test_agent_as_a_non_root_user_under_a_root_guard(tmp_path: Path) -> None:
+    """The devcontainer case on the host: the guard is root, the agent runs as uid 65534."""
+    ws, manifest = workspace(tmp_path)
+    subprocess.run(["chown", "-R", "65534:65534", str(ws)], check=True)
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "sandbox", "run", "--ci", "--user", "nobody", "--manifest", str(manifest),
+         "--run-dir", str(run_dir), "--", "sh", "-c",
+         "id -u; echo '# by nobody' >> src/checkout/tax.py; echo x > README.md; cat .env; touch /tmp/ok && echo tmp"],
+        cwd=ws, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )
+    log = (run_dir / "stdout.log").read_text()
+    assert log.splitlines()[0] == "65534", (log, result.stderr)
+    assert (ws / "src/checkout/tax.py").read_text().endswith("# by nobody\n")
+    assert (ws / "src/checkout/tax.py").stat().st_uid == 65534
+    assert (ws / "README.md").read_text() == "readme\n"
+    assert "tmp" in log.splitlines()
+    assert result.returncode == 75  # the forbidden read is terminal, and --ci stops the run
+    bad = subprocess.run([sys.executable, "-m", "sandbox", "run", "--user", "no-such-user-x", "--manifest",
+                          str(manifest), "--", "true"], cwd=ws, capture_output=True, text=True)
+    assert bad.returncode == 64 and "no such user" in bad.stderr
