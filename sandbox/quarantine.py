@@ -25,7 +25,9 @@ class Recorder:
 
     def __init__(self, log: Path, echo: BinaryIO | None) -> None:
         self.path = log
-        self._log = open(log, "ab")  # noqa: SIM115 - closed by close()
+        # Unbuffered: every chunk reaches the file at once, so a guard killed mid-run loses
+        # nothing the agent printed before.
+        self._log = open(log, "ab", buffering=0)  # noqa: SIM115 - closed by close()
         self._echo = echo
         self.bytes = 0
 

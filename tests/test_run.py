@@ -452,3 +452,50 @@ def test_agent_as_a_non_root_user_under_a_root_guard(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "sandbox", "run", "--user", "no-such-user-x", "--manifest",
                           str(manifest), "--", "true"], cwd=ws, capture_output=True, text=True)
     assert bad.returncode == 64 and "no such user" in bad.stderr
+
+
+@needs_root
+@pytest.mark.parametrize("how", ["guard stop", "SIGINT"])
+def test_stop_ends_a_double_forked_tree_that_ignores_sigterm(tmp_path: Path, how: str) -> None:
+    ws, manifest = workspace(tmp_path)
+    run_dir = tmp_path / "run"
+    script = """
+        import os, signal, time
+        if os.fork() == 0:                 # double fork: the grandchild is re-parented
+            os.setsid()
+            if os.fork() == 0:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                while True:
+                    time.sleep(1)
+            os._exit(0)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("ready", flush=True)
+        while True:
+            time.sleep(1)
+    """
+    marker = f"guardfs-stop-marker-{how.replace(' ', '-')}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sandbox", "run", "--manifest", str(manifest), "--run-dir", str(run_dir), "--",
+         sys.executable, "-c", textwrap.dedent(script) + f"# {marker}"],
+        cwd=ws, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+    )
+
+    def members() -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
+
+    try:
+        wait_for(lambda: len(members()) >= 2 and (run_dir / "stdout.log").exists()
+                 and "ready" in (run_dir / "stdout.log").read_text(), "the agent and its grandchild")
+        if how == "guard stop":
+            subprocess.run([sys.executable, "-m", "sandbox", "stop", "--run-dir", str(run_dir)], check=True,
+                           capture_output=True)
+        else:
+            proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == (75 if how == "guard stop" else 128 + signal.SIGINT), err
+    wait_for(lambda: not members(), "every process of the tree to be gone")
+    assert not (run_dir / "agent.sock").exists() and not (run_dir / "control.sock").exists()
