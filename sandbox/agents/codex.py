@@ -1,0 +1,86 @@
+"""Codex CLI: ``codex exec --json`` (thread/turn/item events).
+
+Schema as documented for codex-cli's ``exec --json`` since 0.44: ``thread.started``,
+``turn.started``, ``item.started|updated|completed`` (items ``agent_message``,
+``reasoning``, ``command_execution`` with ``command``, ``exit_code``, ``status``;
+``file_change`` with ``changes``; ``mcp_tool_call``; ``web_search``; ``todo_list``),
+``turn.completed`` with ``usage`` {``input_tokens`` (cached included),
+``cached_input_tokens``, ``output_tokens``}, ``turn.failed``, ``error``. A turn is one step.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sandbox.agents.events import Event, Step, Tool, ToolDone, Totals
+
+__all__ = ["CodexJsonParser"]
+
+_TOOL_ITEMS = {"command_execution": "shell", "file_change": "apply_patch", "mcp_tool_call": "mcp",
+               "web_search": "web_search"}
+
+
+class CodexJsonParser:
+    """Feed lines; get events."""
+
+    def __init__(self) -> None:
+        self._tools: list[Tool] = []
+        self._turns = 0
+        self._totals = [0, 0, 0]
+        self.lines = 0
+
+    def feed(self, line: bytes | str) -> list[Event]:
+        """Parse one line."""
+        self.lines += 1
+        try:
+            doc = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return []
+        if not isinstance(doc, dict):
+            return []
+        kind = doc.get("type")
+        raw = doc.get("item")
+        item: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        if kind == "item.started" and item.get("type") in _TOOL_ITEMS:
+            self._tools.append(Tool(_TOOL_ITEMS[item["type"]], _args(item), str(item.get("id", ""))))
+        elif kind == "item.completed" and item.get("type") in _TOOL_ITEMS:
+            return [self._done(item)]
+        elif kind == "turn.completed":
+            return [self._turn(doc.get("usage") or {})]
+        elif kind == "turn.failed":
+            return [self._turn({})]
+        return []
+
+    def finish(self) -> list[Event]:
+        """End of the stream: the totals."""
+        return [Totals(self._totals[0], self._totals[1], self._totals[2], self._turns)]
+
+    def _done(self, item: dict[str, Any]) -> ToolDone:
+        name = _TOOL_ITEMS[item["type"]]
+        if not any(t.call_id == str(item.get("id", "")) for t in self._tools):
+            self._tools.append(Tool(name, _args(item), str(item.get("id", ""))))
+        code = item.get("exit_code")
+        if code is None:
+            code = 0 if item.get("status") in ("completed", None) else 1
+        summary = str(item.get("command") or json.dumps(item.get("changes", ""))[:400])
+        return ToolDone(str(item.get("id", "")), name, int(code), summary)
+
+    def _turn(self, usage: dict[str, Any]) -> Step:
+        self._turns += 1
+        total_in = int(usage.get("input_tokens", 0))
+        cached = int(usage.get("cached_input_tokens", 0))
+        out = int(usage.get("output_tokens", 0))
+        self._totals[0] += total_in - cached
+        self._totals[1] += out
+        self._totals[2] += cached
+        tools, self._tools = tuple(self._tools), []
+        return Step(f"turn-{self._turns}", total_in - cached, out, cached, tools)
+
+
+def _args(item: dict[str, Any]) -> Any:
+    if item.get("type") == "command_execution":
+        return {"command": item.get("command")}
+    if item.get("type") == "file_change":
+        return {"changes": item.get("changes")}
+    return {k: v for k, v in item.items() if k not in ("id", "type", "status", "aggregated_output")}

@@ -1,0 +1,66 @@
+"""Gemini CLI: ``--output-format stream-json`` (headless mode).
+
+Schema as documented for Gemini CLI's headless mode (0.11 and later): ``init``
+{``session_id``, ``model``}, ``message`` {``role``, ``content``, ``delta``}, ``tool_use``
+{``tool_name``, ``tool_id``, ``parameters``}, ``tool_result`` {``tool_id``, ``status``
+success|error, ``output``}, ``error``, ``result`` {``status``, ``stats`` {``input_tokens``,
+``output_tokens``, ``total_tokens``, ``cached``?, ``tool_calls``, ``duration_ms``}}. The
+stream carries no usage per model call: each tool call is a step without tokens (so that
+repetition is seen), and the result's totals are one step at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sandbox.agents.events import Event, Step, Tool, ToolDone, Totals
+
+__all__ = ["GeminiStreamParser"]
+
+
+class GeminiStreamParser:
+    """Feed lines; get events."""
+
+    def __init__(self) -> None:
+        self._tools: dict[str, str] = {}
+        self.lines = 0
+
+    def feed(self, line: bytes | str) -> list[Event]:
+        """Parse one line."""
+        self.lines += 1
+        try:
+            doc = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return []
+        if not isinstance(doc, dict):
+            return []
+        kind = doc.get("type")
+        if kind == "tool_use":
+            tool = Tool(str(doc.get("tool_name", "")), doc.get("parameters"), str(doc.get("tool_id", "")))
+            self._tools[tool.call_id] = tool.name
+            return [Step(tool.call_id, 0, 0, 0, (tool,))]
+        if kind == "tool_result":
+            call_id = str(doc.get("tool_id", ""))
+            ok = doc.get("status") == "success"
+            output = doc.get("output")
+            error = doc.get("error")
+            if isinstance(error, dict) and error.get("message"):
+                output = f"{output or ''}{error['message']}"
+            if not isinstance(output, str):
+                output = json.dumps(output or "")
+            return [ToolDone(call_id, self._tools.get(call_id, "unknown"), 0 if ok else 1, output[:4000])]
+        if kind == "result":
+            return self._result(doc.get("stats") or {})
+        return []
+
+    def finish(self) -> list[Event]:
+        """Nothing is held back."""
+        return []
+
+    def _result(self, stats: dict[str, Any]) -> list[Event]:
+        cached = int(stats.get("cached", 0) or 0)
+        total_in = int(stats.get("input_tokens", stats.get("input", 0)) or 0)
+        out = int(stats.get("output_tokens", 0) or 0)
+        return [Step("result", total_in - cached, out, cached), Totals(total_in - cached, out, cached,
+                                                                        int(stats.get("tool_calls", 0) or 0))]
