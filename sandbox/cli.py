@@ -108,6 +108,8 @@ def _parser() -> argparse.ArgumentParser:
                      "goes through it)")
     run.add_argument("--cache-timeout", metavar="S", type=float, default=60.0,
                      help="seconds the kernel may cache entries and attributes (default 60)")
+    run.add_argument("--agent", choices=["claude", "codex", "gemini", "generic"],
+                     help="which agent CMD is (default: from its name): sets up its hooks and parses its output")
     run.add_argument("--user", metavar="NAME", help="run the agent as this user (the guard must be root; "
                      "the devcontainer case)")
     run.add_argument("command", metavar="CMD", nargs=argparse.REMAINDER, help="the agent's command, after --")
@@ -150,6 +152,17 @@ def _parser() -> argparse.ArgumentParser:
                     "if any message was rejected, 69 if the guard cannot be reached.",
     )
     feed.add_argument("--socket", metavar="PATH", help="the agent socket (default: $GUARD_SOCKET)")
+    feed.add_argument("--format", choices=["protocol", "claude-stream-json", "codex-json", "gemini-stream-json"],
+                      default="protocol", help="what stdin holds: protocol messages (default), or an agent's "
+                      "own output to parse into steps, tool calls and tool results")
+
+    hook = sub.add_parser(
+        "hook",
+        help="the command an agent runs as its pre/post-tool hook",
+        description="Read the agent's hook JSON on stdin, ask the guard (GUARD_SOCKET), and answer in the "
+                    "agent's convention: exit 2 with the reason on stderr blocks the tool.",
+    )
+    hook.add_argument("agent", choices=["claude", "gemini"], help="whose hook format")
 
     sub.add_parser(
         "demo",
@@ -229,7 +242,7 @@ def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: Eve
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from sandbox.isolation import IsolationUnavailable
-    from sandbox.run import RunOptions, default_run_dir, run
+    from sandbox.run import RunOptions, default_run_dir, detect_agent, run
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -261,7 +274,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             return Exit.USAGE
     options = RunOptions(manifest, workspace, run_dir, command, Path(os.path.realpath(os.getcwd())),
                          ci=args.ci, isolation=not args.no_isolation, cache_timeout=args.cache_timeout,
-                         user=args.user)
+                         user=args.user, agent=args.agent or detect_agent(command))
     try:
         return run(options)
     except IsolationUnavailable as err:
@@ -320,10 +333,33 @@ def _cmd_control(args: argparse.Namespace) -> int:
     return Exit.OK
 
 
+def _feed_parsed(args: argparse.Namespace) -> int:
+    from sandbox.agents import to_messages
+    from sandbox.agents.parsers import make_parser
+    from sandbox.client import GuardClient, GuardUnreachable
+
+    parser = make_parser(args.format)
+    try:
+        with GuardClient(args.socket) as guard:
+            for line in sys.stdin.buffer:
+                for event in parser.feed(line):
+                    for message in to_messages(event):
+                        print(json.dumps(guard.request(message)), flush=True)
+            for event in parser.finish():
+                for message in to_messages(event):
+                    print(json.dumps(guard.request(message)), flush=True)
+    except GuardUnreachable as err:
+        print(f"guard feed: {err}", file=sys.stderr)
+        return Exit.UNAVAILABLE
+    return Exit.OK
+
+
 def _cmd_feed(args: argparse.Namespace) -> int:
     from sandbox.client import GuardClient, GuardClientError, GuardUnreachable
 
     rejected = False
+    if args.format != "protocol":
+        return _feed_parsed(args)
     try:
         with GuardClient(args.socket) as guard:
             for line in sys.stdin:
@@ -374,6 +410,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_exec(command, live=args.live)
         if args.verb == "feed":
             return _cmd_feed(args)
+        if args.verb == "hook":
+            from sandbox.agents.hooks import run_hook
+
+            return run_hook(args.agent, sys.stdin.read())
         return _cmd_mount(args)
     except ManifestError as err:
         print(f"guard: {err}", file=sys.stderr)

@@ -222,6 +222,10 @@ class Daemon:
                 return False
         return False  # a client that does not read its replies is dropped
 
+    def feed(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Handle one agent message from inside the guard (its output parsers)."""
+        return self._handle(json.dumps({"v": VERSION, **message}).encode(), "agent")
+
     def _handle(self, line: bytes, kind: str) -> dict[str, Any]:
         try:
             msg = parse_agent(line) if kind == "agent" else parse_control(line)

@@ -10,6 +10,7 @@ when the agent ends, unmounts and prints a summary.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pwd
 import signal
@@ -31,6 +32,8 @@ from guardfs.events import EventLog
 from guardfs.fs import GuardFS
 from guardfs.manifest import Manifest
 from guardfs.mount import check_fuse_available, init_mount, mount_options
+from sandbox.agents import Event, to_messages
+from sandbox.agents.parsers import make_parser
 from sandbox.breaker import Breaker, State
 from sandbox.daemon import Daemon
 from sandbox.exitcodes import Exit
@@ -54,6 +57,7 @@ class RunOptions:
     isolation: bool = True
     cache_timeout: float = 60.0
     user: str | None = None  # run the agent as this user (the guard stays root)
+    agent: str = "generic"  # claude, codex, gemini: hooks and output parsing
 
 
 @dataclass
@@ -163,11 +167,11 @@ def _agent_argv(
     if bwrap is None:
         env.update(GUARD_SOCKET=str(daemon.agent_path), GUARD_RUN_DIR=str(opts.run_dir),
                    GUARD_WORKSPACE=str(mnt))
-        return list(opts.command), mnt / rel, env
+        return _agent_command(opts), mnt / rel, env
     cwd = opts.workspace / rel
     argv = bwrap_argv(
         bwrap=bwrap, mountpoint=str(mnt), workspace=str(opts.workspace), run_dir=str(opts.run_dir),
-        agent_socket=str(daemon.agent_path), cwd=str(cwd), command=opts.command,
+        agent_socket=str(daemon.agent_path), cwd=str(cwd), command=_agent_command(opts),
         writable=[str(p) for p in _extra_writable(opts)], pty=pty,
         entry=system_entry() if opts.user is not None else None,
     )
@@ -179,6 +183,30 @@ def _agent_argv(
     if pty:
         argv = ["setsid", "--ctty", *argv]  # the pty becomes the agent's controlling terminal
     return argv, Path("/"), env
+
+
+AGENTS = ("claude", "codex", "gemini", "generic")
+#: What each agent's output is parsed as.
+_FORMATS = {"claude": "claude-stream-json", "codex": "codex-json", "gemini": "gemini-stream-json"}
+
+
+def detect_agent(command: list[str]) -> str:
+    """The agent a command runs, from its name."""
+    name = os.path.basename(command[0]) if command else ""
+    return name if name in _FORMATS else "generic"
+
+
+def claude_settings() -> str:
+    """Settings for Claude Code, passed with --settings: our hooks before and after every tool."""
+    hook = [{"matcher": "*", "hooks": [{"type": "command", "command": "guard hook claude", "timeout": 10}]}]
+    return json.dumps({"hooks": {"PreToolUse": hook, "PostToolUse": hook}}, separators=(",", ":"))
+
+
+def _agent_command(opts: RunOptions) -> list[str]:
+    """The command, with what the agent needs to call our hooks (never its own config files)."""
+    if opts.agent == "claude":
+        return [opts.command[0], "--settings", claude_settings(), *opts.command[1:]]
+    return list(opts.command)
 
 
 def _extra_writable(opts: RunOptions) -> list[Path]:
@@ -203,7 +231,7 @@ async def _run_agent(opts: RunOptions, bwrap: str | None, daemon: Daemon, outcom
             os.close(slave)
             recorder = Recorder(logs / "stdout.log", echo)
             (logs / "stderr.log").touch()
-            nursery.start_soon(_pump_fd, master, recorder, daemon)
+            nursery.start_soon(_pump_fd, master, recorder, daemon, _Lines(opts.agent, daemon))
             nursery.start_soon(_forward_stdin, master)
         else:
             proc = await trio.lowlevel.open_process(
@@ -213,8 +241,9 @@ async def _run_agent(opts: RunOptions, bwrap: str | None, daemon: Daemon, outcom
             assert proc.stdout is not None
             assert proc.stderr is not None
             err_echo = None if opts.ci else os.fdopen(os.dup(2), "wb", buffering=0)
-            nursery.start_soon(_pump, proc.stdout, Recorder(logs / "stdout.log", echo), daemon)
-            nursery.start_soon(_pump, proc.stderr, Recorder(logs / "stderr.log", err_echo), daemon)
+            nursery.start_soon(_pump, proc.stdout, Recorder(logs / "stdout.log", echo), daemon,
+                               _Lines(opts.agent, daemon))
+            nursery.start_soon(_pump, proc.stderr, Recorder(logs / "stderr.log", err_echo), daemon, None)
         tree = ProcessTree(proc.pid)
         async with trio.open_nursery() as watchers:
             watchers.start_soon(_watch, daemon.breaker, tree, opts, outcome)
@@ -230,16 +259,50 @@ async def _run_agent(opts: RunOptions, bwrap: str | None, daemon: Daemon, outcom
             nursery.cancel_scope.cancel()  # the stdin forwarder never ends by itself
 
 
-async def _pump(stream: trio.abc.ReceiveStream, recorder: Recorder, daemon: Daemon) -> None:
+class _Lines:
+    """Splits the agent's stdout into lines for its output parser, which feeds the breaker."""
+
+    def __init__(self, agent: str, daemon: Daemon) -> None:
+        self.parser = make_parser(_FORMATS[agent]) if agent in _FORMATS else None
+        self.daemon = daemon
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> None:
+        if self.parser is None:
+            return
+        self._buf += chunk
+        *lines, self._buf = self._buf.split(b"\n")
+        for line in lines:
+            self._send(self.parser.feed(line))
+        if len(self._buf) > 16 << 20:  # no newline in 16 MiB: not a JSON stream
+            self._buf = b""
+
+    def close(self) -> None:
+        if self.parser is not None:
+            if self._buf:
+                self._send(self.parser.feed(self._buf))
+            self._send(self.parser.finish())
+
+    def _send(self, events: list[Event]) -> None:
+        for event in events:
+            for message in to_messages(event):
+                self.daemon.feed(message)
+
+
+async def _pump(stream: trio.abc.ReceiveStream, recorder: Recorder, daemon: Daemon, lines: _Lines | None) -> None:
     try:
         async for chunk in stream:
             recorder.feed(bytes(chunk))
             daemon.breaker.activity()
+            if lines is not None:
+                lines.feed(bytes(chunk))
     finally:
         recorder.close()
+        if lines is not None:
+            lines.close()
 
 
-async def _pump_fd(fd: int, recorder: Recorder, daemon: Daemon) -> None:
+async def _pump_fd(fd: int, recorder: Recorder, daemon: Daemon, lines: _Lines) -> None:
     stream = trio.lowlevel.FdStream(fd)
     try:
         while True:
@@ -251,8 +314,10 @@ async def _pump_fd(fd: int, recorder: Recorder, daemon: Daemon) -> None:
                 break
             recorder.feed(chunk)
             daemon.breaker.activity()
+            lines.feed(chunk)
     finally:
         recorder.close()
+        lines.close()
         await stream.aclose()
 
 
