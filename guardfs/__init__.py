@@ -15,11 +15,33 @@ manifest tools work on a machine without FUSE. guardfs knows nothing of processe
 sockets; ``sandbox`` builds on it, never the reverse.
 """
 
-from guardfs.decision import Decider, LimitsDecider, Request, Verdict
-from guardfs.errors import GuardfsError, ManifestError, MountError
-from guardfs.events import EventLog
-from guardfs.manifest import Manifest, load_manifest, parse_manifest
-from guardfs.policy import Classification, PathPolicy, Scope
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from guardfs.decision import Decider, LimitsDecider, Request, Verdict
+    from guardfs.errors import GuardfsError, ManifestError, MountError
+    from guardfs.events import EventLog
+    from guardfs.manifest import Manifest, load_manifest, parse_manifest
+    from guardfs.policy import Classification, PathPolicy, Scope
+
+# Re-exports are resolved on first use (PEP 562): `guard hook`, which runs before every tool
+# call, imports guardfs.errors without paying for pydantic and pathspec.
+_HOME = {
+    "Decider": "decision", "LimitsDecider": "decision", "Request": "decision", "Verdict": "decision",
+    "GuardfsError": "errors", "ManifestError": "errors", "MountError": "errors",
+    "EventLog": "events",
+    "Manifest": "manifest", "load_manifest": "manifest", "parse_manifest": "manifest",
+    "Classification": "policy", "PathPolicy": "policy", "Scope": "policy",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module 'guardfs' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"guardfs.{module}"), name)
+
 
 __all__ = [
     "Classification",

@@ -10,13 +10,17 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from guardfs.errors import ManifestError, MountError
-from guardfs.events import EventLog
-from guardfs.manifest import Manifest, load_manifest, parse_manifest
-from guardfs.policy import PathPolicy
 from sandbox.exitcodes import Exit
+
+if TYPE_CHECKING:
+    from guardfs.events import EventLog
+    from guardfs.manifest import Manifest
+
+# The manifest, policy and FUSE modules (pydantic, pathspec, libfuse) are imported by the
+# commands that need them: `guard hook` runs before every tool call and must start fast.
 
 __all__ = ["main"]
 
@@ -173,10 +177,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _manifest(path: str | None) -> Manifest:
+    from guardfs.manifest import load_manifest, parse_manifest
+
     return load_manifest(path) if path else parse_manifest(_READ_ONLY, "<built-in read-only>")
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    from guardfs.manifest import load_manifest
+    from guardfs.policy import PathPolicy
+
     print(PathPolicy(load_manifest(args.manifest)).describe())
     return Exit.OK
 
@@ -201,6 +210,8 @@ def _cmd_mount(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir).resolve() if args.run_dir else None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
+    from guardfs.events import EventLog
+
     events = EventLog(args.events or (run_dir / "events.jsonl" if run_dir else None))
     try:
         if run_dir is None:
@@ -248,6 +259,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not command:
         print("guard run: no command given (guard run --manifest M -- CMD ARGS...)", file=sys.stderr)
         return Exit.USAGE
+    from guardfs.manifest import load_manifest
+
     manifest = load_manifest(args.manifest)
     workspace = Path(os.path.realpath(args.workspace or os.getcwd()))
     if not workspace.is_dir():

@@ -20,9 +20,10 @@ import os
 import socket
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
-import trio
+if TYPE_CHECKING:  # trio is imported by the async client only: a hook starts faster without it
+    import trio
 
 __all__ = [
     "AsyncGuardClient", "GuardClient", "GuardClientError", "GuardUnreachable", "agent_socket_path",
@@ -158,6 +159,8 @@ class AsyncGuardClient(_Messages):
     @classmethod
     async def connect(cls, path: str | os.PathLike[str] | None = None) -> AsyncGuardClient:
         """Connect to *path* or ``GUARD_SOCKET``."""
+        import trio
+
         where = agent_socket_path(path)
         try:
             stream = await trio.open_unix_socket(where)
@@ -167,6 +170,8 @@ class AsyncGuardClient(_Messages):
 
     async def request(self, message: dict[str, Any]) -> dict[str, Any]:
         """Send one message; return the reply."""
+        import trio
+
         try:
             await self._stream.send_all(_encode(message))
             while b"\n" not in self._buf:
