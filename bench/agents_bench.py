@@ -30,7 +30,7 @@ from sandbox.breaker import Breaker
 from sandbox.daemon import Daemon
 
 ROOT = Path(__file__).resolve().parent.parent
-FIXTURE = ROOT.parent / "shared/fixtures/claude-code/stream-json.partial-messages.jsonl"
+FIXTURE = ROOT / "tests/fixtures/claude-code/stream-json.partial-messages.jsonl"
 MANIFEST = """
 [task]
 id = "bench"

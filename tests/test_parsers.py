@@ -9,8 +9,8 @@ import pytest
 from sandbox.agents import Step, ToolDone, Totals, to_messages
 from sandbox.agents.parsers import make_parser
 
-SHARED = Path(__file__).resolve().parents[2] / "shared/fixtures/claude-code"
 HERE = Path(__file__).resolve().parent / "fixtures"
+CLAUDE = HERE / "claude-code"  # a copy of shared/fixtures/claude-code (see fixtures/README.md)
 
 
 def parse(fmt: str, path: Path) -> list[Step | ToolDone | Totals]:
@@ -23,10 +23,7 @@ def parse(fmt: str, path: Path) -> list[Step | ToolDone | Totals]:
 
 
 def claude_fixture(name: str) -> Path:
-    path = SHARED / name
-    if not path.exists():
-        pytest.skip(f"the shared Claude Code fixtures are not next to this checkout ({SHARED})")
-    return path
+    return CLAUDE / name
 
 
 @pytest.mark.parametrize("name", ["stream-json.demo.jsonl", "stream-json.partial-messages.jsonl"])
