@@ -166,7 +166,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Read the agent's hook JSON on stdin, ask the guard (GUARD_SOCKET), and answer in the "
                     "agent's convention: exit 2 with the reason on stderr blocks the tool.",
     )
-    hook.add_argument("agent", choices=["claude", "gemini"], help="whose hook format")
+    hook.add_argument("agent", choices=["claude", "codex", "gemini"], help="whose hook format")
 
     sub.add_parser(
         "demo",

@@ -112,10 +112,12 @@ def bwrap_argv(
     writable: Sequence[str] = (),
     pty: bool = False,
     entry: Sequence[str] | None = None,
+    files: Sequence[tuple[str, str]] = (),
 ) -> list[str]:
     """The full command line that starts *command* isolated, in *cwd*.
 
-    *entry* is how to run :mod:`sandbox.enter` (default: this interpreter, ``-m``).
+    *entry* is how to run :mod:`sandbox.enter` (default: this interpreter, ``-m``); *files*
+    are (source, destination) pairs bound read-only (an agent's settings for this run).
     """
     argv = [
         bwrap,
@@ -131,6 +133,8 @@ def bwrap_argv(
         "--dir", SANDBOX_RUN_DIR,
         "--bind", agent_socket, f"{SANDBOX_RUN_DIR}/agent.sock",
     ]
+    for source, dest in files:
+        argv += ["--ro-bind", source, dest]
     for path in writable:
         argv += ["--bind", path, path]
     if os.geteuid() == 0:

@@ -164,6 +164,12 @@ def _agent_argv(
     tools = f"{Path(sys.argv[0]).resolve().parent}:{Path(sys.executable).parent}"
     env["PATH"] = f"{env.get('PATH', '/usr/bin:/bin')}:{tools}"
     rel = os.path.relpath(opts.cwd, opts.workspace) if opts.cwd.is_relative_to(opts.workspace) else "."
+    files: list[tuple[str, str]] = []
+    if opts.agent == "gemini":
+        settings = mnt.parent / "gemini-settings.json"
+        settings.write_text(gemini_settings())
+        files.append((str(settings), GEMINI_SETTINGS))
+        env["GEMINI_CLI_SYSTEM_SETTINGS_PATH"] = GEMINI_SETTINGS if bwrap is not None else str(settings)
     if bwrap is None:
         env.update(GUARD_SOCKET=str(daemon.agent_path), GUARD_RUN_DIR=str(opts.run_dir),
                    GUARD_WORKSPACE=str(mnt))
@@ -173,7 +179,7 @@ def _agent_argv(
         bwrap=bwrap, mountpoint=str(mnt), workspace=str(opts.workspace), run_dir=str(opts.run_dir),
         agent_socket=str(daemon.agent_path), cwd=str(cwd), command=_agent_command(opts),
         writable=[str(p) for p in _extra_writable(opts)], pty=pty,
-        entry=system_entry() if opts.user is not None else None,
+        entry=system_entry() if opts.user is not None else None, files=files,
     )
     if opts.user is not None:
         pw = pwd.getpwnam(opts.user)
@@ -202,10 +208,28 @@ def claude_settings() -> str:
     return json.dumps({"hooks": {"PreToolUse": hook, "PostToolUse": hook}}, separators=(",", ":"))
 
 
+def codex_overrides() -> list[str]:
+    """Codex config overrides (-c, TOML values) registering our hooks for this run only."""
+    hook = '[{matcher="*",hooks=[{type="command",command="guard hook codex",timeout=10}]}]'
+    return ["-c", f"hooks.PreToolUse={hook}", "-c", f"hooks.PostToolUse={hook}"]
+
+
+def gemini_settings() -> str:
+    """Gemini CLI system settings for this run: our BeforeTool/AfterTool hooks."""
+    hook = [{"matcher": ".*", "hooks": [{"type": "command", "command": "guard hook gemini", "timeout": 10000}]}]
+    return json.dumps({"hooks": {"BeforeTool": hook, "AfterTool": hook}}, indent=2)
+
+
+#: Where the Gemini settings appear inside the sandbox (GEMINI_CLI_SYSTEM_SETTINGS_PATH).
+GEMINI_SETTINGS = "/tmp/guard/gemini-settings.json"
+
+
 def _agent_command(opts: RunOptions) -> list[str]:
     """The command, with what the agent needs to call our hooks (never its own config files)."""
     if opts.agent == "claude":
         return [opts.command[0], "--settings", claude_settings(), *opts.command[1:]]
+    if opts.agent == "codex":
+        return [opts.command[0], *codex_overrides(), *opts.command[1:]]
     return list(opts.command)
 
 

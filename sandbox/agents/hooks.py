@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -18,11 +19,13 @@ from sandbox.client import GuardClient, GuardClientError
 
 __all__ = ["MUTATING_TOOLS", "run_hook"]
 
-#: Tools that write (Claude Code's and Gemini CLI's names); shells count, since they can.
+#: Tools that write (Claude Code's, Codex's and Gemini CLI's names); shells count, since they can.
 MUTATING_TOOLS = frozenset({
     "Write", "Edit", "MultiEdit", "NotebookEdit", "Bash",
+    "shell", "exec_command", "apply_patch",
     "write_file", "replace", "run_shell_command", "edit",
 })
+_PATCH_FILE = re.compile(r"^\*\*\* (?:Add|Update|Delete) File: (.+)$", re.MULTILINE)
 _PATH_KEYS = ("file_path", "notebook_path", "path", "absolute_path")
 BLOCK = 2
 
@@ -33,6 +36,9 @@ def _paths(tool_input: dict[str, Any], cwd: str) -> list[str]:
         value = tool_input.get(key)
         if isinstance(value, str) and value:
             out.append(os.path.normpath(os.path.join(cwd, value)))
+    patch = tool_input.get("input") or tool_input.get("patch")  # Codex apply_patch
+    if isinstance(patch, str):
+        out += [os.path.normpath(os.path.join(cwd, p.strip())) for p in _PATCH_FILE.findall(patch)]
     for edit in tool_input.get("edits") or []:  # MultiEdit carries one file_path for all
         if isinstance(edit, dict) and isinstance(edit.get("file_path"), str):
             out.append(os.path.normpath(os.path.join(cwd, edit["file_path"])))

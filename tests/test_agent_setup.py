@@ -1,0 +1,103 @@
+"""How guard run sets up each agent, and the hooks in each agent's convention, against a
+live daemon. (Only Claude Code runs for real here: see test_claude_code.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from .conftest import guarded_mount
+
+MANIFEST = """
+[task]
+id = "fix-tax"
+goal = "Fix the tax rounding helper in src/checkout/"
+[paths]
+allowed = ["src/checkout/"]
+"""
+
+
+def hook(agent: str, event: dict[str, object], socket: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sandbox", "hook", agent], input=json.dumps(event),
+                          capture_output=True, text=True, env={**os.environ, "GUARD_SOCKET": str(socket)},
+                          timeout=60)
+
+
+@pytest.mark.parametrize(("agent", "before", "after", "tool", "tool_input"), [
+    ("claude", "PreToolUse", "PostToolUse", "Edit", {"file_path": "src/auth/jwt.py", "old_string": "a",
+                                                      "new_string": "b"}),
+    ("codex", "PreToolUse", "PostToolUse", "apply_patch",
+     {"input": "*** Begin Patch\n*** Update File: src/auth/jwt.py\n@@\n-a\n+b\n*** End Patch\n"}),
+    ("gemini", "BeforeTool", "AfterTool", "write_file", {"file_path": "src/auth/jwt.py", "content": "x"}),
+])
+def test_hook_blocks_out_of_scope_and_reports_results(
+    tmp_path: Path, agent: str, before: str, after: str, tool: str, tool_input: dict[str, object]
+) -> None:
+    (tmp_path / "backing/src/checkout").mkdir(parents=True)
+    with guarded_mount(tmp_path, MANIFEST, run_dir=tmp_path / "run") as g:
+        assert g.daemon is not None
+        sock = g.daemon.agent_path
+        cwd = str(g.mnt)
+        ok = hook(agent, {"hook_event_name": before, "tool_name": "Read", "cwd": cwd,
+                          "tool_input": {"file_path": "src/checkout/tax.py"}}, sock)
+        assert ok.returncode == 0, ok.stderr
+        blocked = hook(agent, {"hook_event_name": before, "tool_name": tool, "cwd": cwd, "tool_input": tool_input},
+                       sock)
+        assert blocked.returncode == 2
+        assert "guard: refused" in blocked.stderr and "src/auth/jwt.py" in blocked.stderr
+        assert "Fix the tax rounding helper" in blocked.stderr  # the re-anchoring text
+        done = hook(agent, {"hook_event_name": after, "tool_name": "run_shell_command", "cwd": cwd,
+                            "tool_input": {"command": "pytest -q"}, "tool_response": {"exit_code": 1}}, sock)
+        assert done.returncode == 0, done.stderr
+        snap = g.daemon.breaker.snapshot()
+        assert snap["trips"][0]["rule"] == "scope_spill"
+        assert snap["consecutive_failures"] == 1
+
+
+FAKE_AGENT = """\
+    #!/usr/bin/env python3
+    import json, os, sys
+    settings = os.environ.get("GEMINI_CLI_SYSTEM_SETTINGS_PATH")
+    print(json.dumps({"argv": sys.argv[1:], "settings": open(settings).read() if settings else None}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs as root, as CI does")
+@pytest.mark.parametrize("agent", ["claude", "codex", "gemini", "aider"])
+def test_guard_run_sets_up_each_agent_without_touching_its_config(tmp_path: Path, agent: str) -> None:
+    ws = tmp_path / "ws"
+    (ws / "src/checkout").mkdir(parents=True)
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(MANIFEST)
+    bindir = tmp_path / "ws/bin"  # inside the workspace: visible in the sandbox
+    bindir.mkdir()
+    fake = bindir / agent
+    fake.write_text(textwrap.dedent(FAKE_AGENT))
+    fake.chmod(0o755)
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest), "--run-dir", str(run_dir), "--",
+         str(fake), "-p", "task"], cwd=ws, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 0, result.stderr
+    seen = json.loads((run_dir / "stdout.log").read_text().splitlines()[0])
+    argv, settings = seen["argv"], seen["settings"]
+    if agent == "claude":
+        assert argv[0] == "--settings" and argv[2:] == ["-p", "task"]
+        hooks = json.loads(argv[1])["hooks"]
+        assert hooks["PreToolUse"][0]["hooks"][0]["command"] == "guard hook claude"
+    elif agent == "codex":
+        assert argv[:4] == ["-c", argv[1], "-c", argv[3]] and argv[4:] == ["-p", "task"]
+        assert argv[1].startswith("hooks.PreToolUse=") and "guard hook codex" in argv[1]
+    elif agent == "gemini":
+        assert argv == ["-p", "task"]
+        assert settings is not None
+        assert json.loads(settings)["hooks"]["BeforeTool"][0]["hooks"][0]["command"] == "guard hook gemini"
+    else:
+        assert argv == ["-p", "task"] and settings is None
