@@ -15,19 +15,12 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
-import trio
+from common import daemon_in_thread
 
-from guardfs.accounting import WriteAccounting
-from guardfs.events import EventLog
-from guardfs.manifest import parse_manifest
 from sandbox.agents.parsers import make_parser
-from sandbox.breaker import Breaker
-from sandbox.daemon import Daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests/fixtures/claude-code/stream-json.partial-messages.jsonl"
@@ -44,24 +37,11 @@ max_identical_calls = "unlimited"
 
 def hook_latency(n: int) -> dict[str, float]:
     """Run the hook n times against a daemon serving in a thread."""
-    tmp = Path(tempfile.mkdtemp(prefix="guardfs-bench-"))
-    breaker = Breaker(parse_manifest(MANIFEST), WriteAccounting(), now=time.monotonic)
-    daemon = Daemon(breaker, tmp / "run", str(tmp / "ws"), EventLog(None))
-    daemon.prepare()
-    ready = threading.Event()
-    token: list[trio.lowlevel.TrioToken] = []
-
-    async def serve() -> None:
-        token.append(trio.lowlevel.current_trio_token())
-        async with trio.open_nursery() as nursery:
-            await nursery.start(daemon.run)
-            ready.set()
-
-    threading.Thread(target=lambda: trio.run(serve), daemon=True).start()
-    ready.wait(10)
+    daemon = daemon_in_thread(MANIFEST)
+    ws = daemon.run_dir.parent / "ws"
     samples = []
     for i in range(n):
-        event = {"hook_event_name": "PreToolUse", "tool_name": "Write", "cwd": str(tmp / "ws"),
+        event = {"hook_event_name": "PreToolUse", "tool_name": "Write", "cwd": str(ws),
                  "tool_input": {"file_path": f"src/checkout/f{i}.py", "content": "x = 1\n"}}
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "sandbox", "hook", "claude"], input=json.dumps(event), check=False,

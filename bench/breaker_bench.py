@@ -16,12 +16,11 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import trio
+from common import daemon_in_thread
 
 from guardfs.accounting import WriteAccounting
 from guardfs.decision import Request
@@ -30,7 +29,6 @@ from guardfs.fs import GuardFS
 from guardfs.manifest import parse_manifest
 from sandbox.breaker import Breaker
 from sandbox.client import GuardClient
-from sandbox.daemon import Daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = """
@@ -96,31 +94,13 @@ def in_process(n: int) -> dict[str, dict[str, float]]:
 
 def round_trips(n: int) -> dict[str, float]:
     """``check`` over the agent socket against a daemon in its own thread."""
-    manifest = parse_manifest(MANIFEST)
-    tmp = Path(tempfile.mkdtemp(prefix="guardfs-bench-"))
-    events = EventLog(None)
-    breaker = Breaker(manifest, WriteAccounting(), now=time.monotonic)
-    daemon = Daemon(breaker, tmp / "run", str(tmp), events)
-    daemon.prepare()
-    ready = threading.Event()
-    token: list[trio.lowlevel.TrioToken] = []
-
-    async def serve() -> None:
-        token.append(trio.lowlevel.current_trio_token())
-        async with trio.open_nursery() as nursery:
-            await nursery.start(daemon.run)
-            ready.set()
-
-    thread = threading.Thread(target=lambda: trio.run(serve), daemon=True)
-    thread.start()
-    ready.wait(10)
+    daemon = daemon_in_thread(MANIFEST)
     samples = []
     with GuardClient(daemon.agent_path) as guard:
         for i in range(n):
             t0 = time.perf_counter_ns()
             guard.check("Edit", [f"src/checkout/f{i % 50}.py"])
             samples.append(time.perf_counter_ns() - t0)
-    trio.from_thread.run_sync(lambda: None, trio_token=token[0])
     daemon.cleanup()
     return percentiles(samples)
 

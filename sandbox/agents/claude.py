@@ -11,10 +11,9 @@ result that is a PreToolUse hook's refusal is marked ``blocked``.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from sandbox.agents.events import Event, Step, Tool, ToolDone, Totals
+from sandbox.agents.events import Event, Step, Tool, ToolDone, Totals, json_object
 
 __all__ = ["ClaudeStreamParser"]
 
@@ -33,11 +32,8 @@ class ClaudeStreamParser:
     def feed(self, line: bytes | str) -> list[Event]:
         """Parse one line of the stream."""
         self.lines += 1
-        try:
-            doc = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return []
-        if not isinstance(doc, dict):
+        doc = json_object(line)
+        if doc is None:
             return []
         kind = doc.get("type")
         if kind == "assistant":

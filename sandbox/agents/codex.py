@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sandbox.agents.events import Event, Step, Tool, ToolDone, Totals
+from sandbox.agents.events import Event, Step, Tool, ToolDone, Totals, json_object
 
 __all__ = ["CodexJsonParser"]
 
@@ -33,11 +33,8 @@ class CodexJsonParser:
     def feed(self, line: bytes | str) -> list[Event]:
         """Parse one line."""
         self.lines += 1
-        try:
-            doc = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return []
-        if not isinstance(doc, dict):
+        doc = json_object(line)
+        if doc is None:
             return []
         kind = doc.get("type")
         raw = doc.get("item")

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Event", "Step", "Tool", "ToolDone", "Totals", "to_messages"]
+__all__ = ["Event", "Step", "Tool", "ToolDone", "Totals", "json_object", "to_messages"]
+
+
+def json_object(line: bytes | str) -> dict[str, Any] | None:
+    """One line of an agent's JSON stream as an object, or None for anything else (a blank
+    line, a log line, a cut-off write): parsers skip those."""
+    try:
+        doc = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 @dataclass(frozen=True)

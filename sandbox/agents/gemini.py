@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sandbox.agents.events import Event, Step, Tool, ToolDone, Totals
+from sandbox.agents.events import Event, Step, Tool, ToolDone, Totals, json_object
 
 __all__ = ["GeminiStreamParser"]
 
@@ -29,11 +29,8 @@ class GeminiStreamParser:
     def feed(self, line: bytes | str) -> list[Event]:
         """Parse one line."""
         self.lines += 1
-        try:
-            doc = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return []
-        if not isinstance(doc, dict):
+        doc = json_object(line)
+        if doc is None:
             return []
         kind = doc.get("type")
         if kind == "tool_use":

@@ -1,0 +1,38 @@
+"""Pieces the benchmark programs share."""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import trio
+
+from guardfs.accounting import WriteAccounting
+from guardfs.events import EventLog
+from guardfs.manifest import parse_manifest
+from sandbox.breaker import Breaker
+from sandbox.daemon import Daemon
+
+__all__ = ["daemon_in_thread"]
+
+
+def daemon_in_thread(manifest: str) -> Daemon:
+    """A breaker daemon serving its sockets from a trio loop in a daemon thread, as in
+    ``guard mount --run-dir``, ready when this returns. Call ``cleanup()`` when done."""
+    tmp = Path(tempfile.mkdtemp(prefix="guardfs-bench-"))
+    breaker = Breaker(parse_manifest(manifest), WriteAccounting(), now=time.monotonic)
+    daemon = Daemon(breaker, tmp / "run", str(tmp / "ws"), EventLog(None))
+    daemon.prepare()
+    ready = threading.Event()
+
+    async def serve() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(daemon.run)
+            ready.set()
+
+    threading.Thread(target=lambda: trio.run(serve), daemon=True).start()
+    if not ready.wait(10):
+        raise RuntimeError("the daemon did not start")
+    return daemon
