@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
 import stat
 import struct
 import subprocess
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import pyfuse3
 import trio
@@ -18,9 +20,30 @@ import trio
 from guardfs.errors import MountError
 from guardfs.fs import GuardFS
 
-__all__ = ["check_fuse_available", "fusermount", "init_mount", "mount_options", "serve"]
+__all__ = ["check_fuse_available", "fusermount", "init_mount", "keepalive", "mount_options", "serve"]
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def keepalive(mountpoint: str, interval: float = 0.5) -> Iterator[None]:
+    """Send the mount a STATFS every *interval* seconds, from a small helper process.
+
+    pyfuse3 waits for /dev/fuse to be readable, then reads it *blocking*, holding the GIL.
+    When the kernel withdraws a request between the two (its caller was killed: the agent's
+    tree being stopped, a `timeout` inside the agent), that read - and the whole trio loop,
+    sockets and supervision included - waits for the next request. This is that request.
+    It comes from another process, since no thread of ours can run while the read holds
+    the GIL; the helper dies with us (PR_SET_PDEATHSIG).
+    """
+    script = f"while sleep {interval}; do stat -f -- {shlex.quote(mountpoint)} > /dev/null 2>&1; done"
+    helper = subprocess.Popen(["setpriv", "--pdeathsig", "KILL", "sh", "-c", script],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        helper.kill()
+        helper.wait()
 
 
 def check_fuse_available() -> None:
@@ -151,7 +174,8 @@ def serve(
     except RuntimeError as err:
         raise MountError(f"cannot mount at {mountpoint}: {err}") from err
     try:
-        trio.run(_serve, fs, handle_signals, on_ready, companions)
+        with keepalive(mountpoint):
+            trio.run(_serve, fs, handle_signals, on_ready, companions)
     finally:
         pyfuse3.close(unmount=True)
         fs.close()

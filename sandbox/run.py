@@ -31,7 +31,7 @@ from guardfs.accounting import WriteAccounting
 from guardfs.events import EventLog
 from guardfs.fs import GuardFS
 from guardfs.manifest import Manifest
-from guardfs.mount import check_fuse_available, init_mount, mount_options
+from guardfs.mount import check_fuse_available, init_mount, keepalive, mount_options
 from sandbox.agents import Event, to_messages
 from sandbox.agents.parsers import make_parser
 from sandbox.breaker import Breaker, State
@@ -115,7 +115,8 @@ def run(opts: RunOptions) -> int:
     unmount = init_mount(fs, str(mnt), mount_options(f"guardfs:{opts.manifest.task.id}"))
     outcome = _Outcome()
     try:
-        trio.run(_main, opts, bwrap, daemon, outcome, mnt)
+        with keepalive(str(mnt)):
+            trio.run(_main, opts, bwrap, daemon, outcome, mnt)
     finally:
         unmount()
         fs.close()
@@ -375,7 +376,7 @@ async def _watch(breaker: Breaker, tree: ProcessTree, opts: RunOptions, outcome:
     """Freeze the tree on a terminal trip (or stop it in CI); thaw it on approve."""
     stop_on_terminal = opts.ci or opts.manifest.breaker.on_terminal == "stop"
     while True:
-        await trio.sleep(0.05)
+        await trio.sleep(0.01)  # an agent can do a lot in 50 ms; this check costs nothing
         state = breaker.state
         if state is State.OPEN_STOPPED or (state.terminal and stop_on_terminal):
             outcome.tripped = state

@@ -1,0 +1,316 @@
+"""Simulated agent trajectories, guarded and unguarded: what lands, what it costs.
+
+Usage (as root, like guard run in CI):
+
+    .venv/bin/python bench/cohorts.py [--per-cohort 250] [--jobs 4]
+
+Four cohorts of trajectories, each up to 35 steps of 1,850 tokens:
+  A  clean, bounded work inside src/checkout/ (and a passing test every 5 steps);
+  B  context drift at step 21: writes spill into src/auth/ and src/billing/;
+  C  an edit-test oscillation from step 17 on total() in src/checkout/handler_1.py;
+  D  runaway log reads from step 22, at 9,200 tokens a step.
+Each trajectory is a real process doing real file operations and reporting its tokens over
+the agent socket, run once under ``guard run --ci`` (a fresh copy of the workspace, its own
+mount and daemon, as an agent task is run) and once on a plain copy. Out-of-scope writes
+are counted on disk afterwards. Prints a table, writes JSON and an SVG picture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 35
+BASE_TOKENS = 1850
+COHORTS = {"A": "clean, bounded", "B": "drift at step 21", "C": "oscillation from step 17",
+           "D": "runaway reads from step 22"}
+SEED = {"cohorts": "1000 trajectories", "out_of_scope_landed_guarded": 0, "out_of_scope_landed_unguarded": 3750,
+        "tokens_saved": "43.8% (39.63 M)", "overhead_median_us": 2.0, "overhead_p99_us": 9.5}
+
+MANIFEST = """
+[task]
+id = "checkout-cohort"
+goal = "Refactor the checkout handlers in src/checkout/ and keep tests/checkout/ passing"
+
+[paths]
+allowed = ["src/checkout/", "tests/checkout/"]
+forbidden = [".env*"]
+
+[limits]
+max_files = 8
+max_rewrites = 3
+window_steps = 5
+max_window_tokens = 30000
+max_tokens_without_progress = 40000
+"""
+
+# The trajectory, run as its own process. argv: cohort, seed. One JSON line per step.
+AGENT = r'''
+import json, os, sys, time
+cohort, seed = sys.argv[1], int(sys.argv[2])
+guard = None
+if os.environ.get("GUARD_SOCKET"):
+    from sandbox.client import GuardClient
+    guard = GuardClient()
+    guard.hello(f"cohort-{cohort}")
+
+def fn(name, body):
+    return f"\ndef {name}(x):\n    return {body}\n"
+
+def op(step):
+    """The step's file operation: (kind, path, action)."""
+    if cohort == "B" and step >= 21:
+        path = "src/auth/session.py" if step % 2 else "src/billing/invoice.py"
+        return "write", path, lambda: open(path, "a").write(fn(f"patch_{step}", "None"))
+    if cohort == "C" and step >= 17:
+        path = "src/checkout/handler_1.py"
+        body = "round(x, 2)" if step % 2 else "round(x)"
+        def rewrite():
+            text = open(path).read().split("\ndef total")[0]
+            with open(path, "w") as f:
+                f.write(text + fn("total", body))
+        return "write", path, rewrite
+    if cohort == "D" and step >= 22:
+        return "read", "logs/app.log", lambda: open("logs/app.log").read()
+    path = f"src/checkout/handler_{step % 5 + 1}.py"
+    return "write", path, lambda: open(path, "a").write(fn(f"step_{seed}_{step}", f"x + {step}"))
+
+for step in range(1, 36):
+    tokens = 9200 if cohort == "D" and step >= 22 else 1850
+    t0 = time.perf_counter()
+    if guard is not None:
+        guard.step(tokens_in=tokens - 300, tokens_out=300, tool="Edit", args={"step": step, "seed": seed})
+    kind, path, action = op(step)
+    t1 = time.perf_counter()
+    try:
+        action()
+        ok = True
+    except OSError:
+        ok = False
+    t2 = time.perf_counter()
+    if guard is not None and step % 5 == 0 and ok:
+        guard.tool_result("Bash", 0, "pytest -q tests/checkout")
+    print(json.dumps({"step": step, "tokens": tokens, "kind": kind, "path": path, "ok": ok,
+                      "report_us": (t1 - t0) * 1e6, "op_us": (t2 - t1) * 1e6}), flush=True)
+'''
+
+
+@dataclass
+class Result:
+    """One trajectory, guarded or not."""
+
+    cohort: str
+    seed: int
+    guarded: bool
+    steps: int = 0
+    tokens: int = 0
+    tokens_per_step: list[int] = field(default_factory=list)
+    out_of_scope_landed: int = 0
+    trips: list[dict[str, Any]] = field(default_factory=list)
+    exit: int = 0
+    op_us: list[float] = field(default_factory=list)
+    report_us: list[float] = field(default_factory=list)
+
+
+def make_template(base: Path) -> Path:
+    """The workspace every trajectory starts from."""
+    ws = base / "template"
+    for i in range(1, 6):
+        (ws / "src/checkout").mkdir(parents=True, exist_ok=True)
+        (ws / f"src/checkout/handler_{i}.py").write_text(f"def handler_{i}(x):\n    return x\n\ndef total(x):\n"
+                                                         "    return x\n")
+    (ws / "tests/checkout").mkdir(parents=True)
+    (ws / "tests/checkout/test_handlers.py").write_text("def test_ok():\n    assert True\n")
+    (ws / "src/auth").mkdir(parents=True)
+    (ws / "src/auth/session.py").write_text("SESSION = 1\n")
+    (ws / "src/billing").mkdir(parents=True)
+    (ws / "src/billing/invoice.py").write_text("INVOICE = 1\n")
+    (ws / "logs").mkdir()
+    (ws / "logs/app.log").write_text("".join(f"2026-11-30 INFO request {i} served\n" for i in range(2000)))
+    (ws / ".env").write_text("SECRET=1\n")
+    return ws
+
+
+def _outside_changes(template: Path, ws: Path) -> int:
+    """Files outside paths.allowed that differ from the template (what landed out of scope)."""
+    changed = 0
+    for rel in ("src/auth/session.py", "src/billing/invoice.py", ".env"):
+        if (ws / rel).read_bytes() != (template / rel).read_bytes():
+            changed += 1
+    return changed
+
+
+def run_one(template: Path, base: Path, manifest: Path, cohort: str, seed: int, guarded: bool) -> Result:
+    """One trajectory in a fresh copy of the workspace."""
+    work = base / f"{cohort}{seed:04d}{'g' if guarded else 'u'}"
+    ws = work / "ws"
+    shutil.copytree(template, ws)
+    script = textwrap.dedent(AGENT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("GUARD_SOCKET", None)
+    if guarded:
+        run_dir = work / "run"
+        proc = subprocess.run(
+            [sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest), "--run-dir", str(run_dir),
+             "--workspace", str(ws), "--", sys.executable, "-c", script, cohort, str(seed)],
+            cwd=ws, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, check=False,
+        )
+        out = (run_dir / "stdout.log").read_text() if (run_dir / "stdout.log").exists() else ""
+        ledger = json.loads((run_dir / "ledger.json").read_text())
+        trips = ledger["trips"]
+    else:
+        proc = subprocess.run([sys.executable, "-c", script, cohort, str(seed)], cwd=ws, env=env,
+                              capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, check=False)
+        out, trips = proc.stdout, []
+    result = Result(cohort, seed, guarded, exit=proc.returncode, trips=trips)
+    for line in out.splitlines():
+        if not line.startswith("{"):
+            continue
+        rec = json.loads(line)
+        result.steps += 1
+        result.tokens += rec["tokens"]
+        result.tokens_per_step.append(rec["tokens"])
+        result.op_us.append(rec["op_us"])
+        result.report_us.append(rec["report_us"])
+    result.out_of_scope_landed = _outside_changes(template, ws)
+    shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile of values (0 if none)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+def summarise(results: list[Result]) -> dict[str, Any]:
+    """Per cohort and in total, guarded against unguarded."""
+    out: dict[str, Any] = {}
+    for cohort in [*COHORTS, "all"]:
+        pick = [r for r in results if cohort in ("all", r.cohort)]
+        g = [r for r in pick if r.guarded]
+        u = [r for r in pick if not r.guarded]
+        first_trips = [r.trips[0]["step"] for r in g if r.trips]
+        rules: dict[str, int] = {}
+        for r in g:
+            for t in r.trips[:1]:
+                rules[t["rule"]] = rules.get(t["rule"], 0) + 1
+        tok_u, tok_g = sum(r.tokens for r in u), sum(r.tokens for r in g)
+        out[cohort] = {
+            "trajectories": len(g),
+            "out_of_scope_landed_guarded": sum(r.out_of_scope_landed for r in g),
+            "out_of_scope_landed_unguarded": sum(r.out_of_scope_landed for r in u),
+            "tokens_unguarded": tok_u, "tokens_guarded": tok_g, "tokens_saved": tok_u - tok_g,
+            "tokens_saved_pct": 100 * (tok_u - tok_g) / tok_u if tok_u else 0.0,
+            "runs_with_trips": sum(1 for r in g if r.trips),
+            "first_trip_step_median": statistics.median(first_trips) if first_trips else None,
+            "first_trip_rules": rules,
+            "op_us_guarded": {"median": percentile([x for r in g for x in r.op_us], 0.5),
+                              "p99": percentile([x for r in g for x in r.op_us], 0.99)},
+            "op_us_unguarded": {"median": percentile([x for r in u for x in r.op_us], 0.5),
+                                "p99": percentile([x for r in u for x in r.op_us], 0.99)},
+            "report_us": {"median": percentile([x for r in g for x in r.report_us], 0.5),
+                          "p99": percentile([x for r in g for x in r.report_us], 0.99)},
+        }
+    return out
+
+
+def svg(results: list[Result], summary: dict[str, Any], path: Path) -> None:
+    """Tokens per step, guarded against unguarded, per cohort, with the median first trip."""
+    width, height, pad = 980, 260, 40
+    panels = []
+    for i, cohort in enumerate(COHORTS):
+        x0 = pad + i * (width - pad) / 4
+        w = (width - pad) / 4 - 20
+        def series(guarded: bool, cohort: str = cohort) -> list[float]:
+            runs = [r for r in results if r.cohort == cohort and r.guarded is guarded]
+            return [sum(r.tokens_per_step[s] for r in runs if len(r.tokens_per_step) > s) / max(len(runs), 1)
+                    for s in range(STEPS)]
+        def line(values: list[float], color: str, x0: float = x0, w: float = w) -> str:
+            pts = " ".join(f"{x0 + w * s / (STEPS - 1):.1f},{height - pad - (height - 2 * pad) * v / 9200:.1f}"
+                           for s, v in enumerate(values))
+            return f'<polyline fill="none" stroke="{color}" stroke-width="2" points="{pts}"/>'
+        trip = summary[cohort]["first_trip_step_median"]
+        marker = ""
+        if trip is not None:
+            tx = x0 + w * (trip - 1) / (STEPS - 1)
+            marker = (f'<line x1="{tx:.1f}" y1="{pad}" x2="{tx:.1f}" y2="{height - pad}" stroke="#c0392b" '
+                      f'stroke-dasharray="4 3"/><text x="{tx + 3:.1f}" y="{pad + 12}" font-size="11" '
+                      f'fill="#c0392b">trip (median step {trip:g})</text>')
+        s = summary[cohort]
+        panels.append(
+            f'<text x="{x0:.1f}" y="22" font-size="13" font-weight="bold">{cohort}: {COHORTS[cohort]}</text>'
+            f'<rect x="{x0:.1f}" y="{pad}" width="{w:.1f}" height="{height - 2 * pad}" fill="#fafafa" stroke="#ddd"/>'
+            + line(series(False), "#95a5a6") + line(series(True), "#2e86de") + marker
+            + f'<text x="{x0:.1f}" y="{height - 12}" font-size="11">saved {s["tokens_saved_pct"]:.1f}% of tokens; '
+            f'out of scope landed {s["out_of_scope_landed_guarded"]} vs {s["out_of_scope_landed_unguarded"]}</text>'
+        )
+    legend = ('<text x="40" y="252" font-size="11" fill="#2e86de">blue: guarded</text>'
+              '<text x="140" y="252" font-size="11" fill="#7f8c8d">grey: unguarded (mean tokens per step)</text>')
+    path.write_text(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + 10}" '
+                    f'font-family="sans-serif">{"".join(panels)}{legend}</svg>\n')
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the cohorts, print the table, write JSON and SVG."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--per-cohort", type=int, default=250)
+    parser.add_argument("--jobs", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results")
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        print("cohorts: run as root (guard run isolates each trajectory as in CI)", file=sys.stderr)
+        return 69
+    base = Path(tempfile.mkdtemp(prefix="guardfs-cohorts-"))
+    template = make_template(base)
+    manifest = base / "manifest.toml"
+    manifest.write_text(MANIFEST)
+    jobs = [(c, seed, guarded) for c in COHORTS for seed in range(args.per_cohort) for guarded in (True, False)]
+    start = time.monotonic()
+    with ThreadPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(lambda j: run_one(template, base, manifest, *j), jobs))
+    elapsed = time.monotonic() - start
+    summary = summarise(results)
+    print(f"{len(jobs) // 2} trajectories x (guarded, unguarded) in {elapsed:.0f} s\n")
+    head = (f"{'cohort':<28} {'oos landed g/u':>15} {'tokens unguarded':>17} {'tokens guarded':>15} "
+            f"{'saved':>7} {'trips':>6} {'1st trip':>9} {'op us g/u (median)':>19} {'op p99 g':>9}")
+    print(head)
+    for cohort in [*COHORTS, "all"]:
+        s = summary[cohort]
+        label = f"{cohort}: {COHORTS.get(cohort, 'total')}"
+        trip = "-" if s["first_trip_step_median"] is None else f"{s['first_trip_step_median']:g}"
+        print(f"{label:<28} {s['out_of_scope_landed_guarded']:>6} / {s['out_of_scope_landed_unguarded']:<6} "
+              f"{s['tokens_unguarded']:>17,} {s['tokens_guarded']:>15,} {s['tokens_saved_pct']:>6.1f}% "
+              f"{s['runs_with_trips']:>6} {trip:>9} {s['op_us_guarded']['median']:>9.0f} / "
+              f"{s['op_us_unguarded']['median']:<8.0f} {s['op_us_guarded']['p99']:>9.0f}")
+    print(f"\nfalse trips in cohort A: {summary['A']['runs_with_trips']}")
+    print(f"socket step report per step: median {summary['all']['report_us']['median']:.0f} us, "
+          f"p99 {summary['all']['report_us']['p99']:.0f} us")
+    print(f"seed design: {SEED}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cohorts.json").write_text(json.dumps(
+        {"summary": summary, "seed": SEED, "elapsed_s": elapsed, "per_cohort": args.per_cohort,
+         "trajectories": [asdict(r) | {"op_us": None, "report_us": None} for r in results]}, indent=1))
+    svg(results, summary, args.out / "cohorts.svg")
+    print(f"written: {args.out / 'cohorts.json'}, {args.out / 'cohorts.svg'}")
+    shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
