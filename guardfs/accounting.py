@@ -59,6 +59,7 @@ class RewritePlan:
     cycle: bool  # content returns to an earlier version other than the current one
     change: Change | None
     born: Change | None = None  # the creation's units, counted now (creation_pending)
+    unchanged: bool = False  # the content is what it was: a write that changed nothing
 
     @property
     def peak(self) -> tuple[str, int] | None:
@@ -126,7 +127,8 @@ class WriteAccounting:
         new_hash = content_hash(new) if new is not None else None
         history = rec.hashes or ([content_hash(old)] if old is not None else [])
         cycle = new_hash is not None and new_hash in history[:-1] and new_hash != history[-1]
-        return RewritePlan(path, counts, new_hash, cycle, change, born)
+        unchanged = new_hash is not None and bool(history) and new_hash == history[-1]
+        return RewritePlan(path, counts, new_hash, cycle, change, born, unchanged)
 
     def commit_rewrite(self, plan: RewritePlan, old: bytes | None) -> None:
         """Record a rewrite that was allowed and performed (scratch files are not tracked)."""

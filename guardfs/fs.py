@@ -124,6 +124,9 @@ class _File:
     # O_TRUNC held back until the first write is judged (a file near max_rewrites), so a
     # refused rewrite does not leave the file emptied.
     pending_truncate: bool = False
+    # Once a write on this handle is refused, its retries (a buffered writer flushing again
+    # at close) are refused alike without asking again: one act, one judgement.
+    refused: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -787,6 +790,8 @@ class GuardFS(pyfuse3.Operations):
     async def write(self, fh: pyfuse3.FileHandleT, off: int, buf: bytes) -> int:
         """Write; the first write of a session and any write that could oscillate are judged."""
         f = self._files[fh]
+        if f.refused:
+            raise FUSEError(f.refused)
         session = f.session
         if session is not None:
             limit = self.limits.max_rewrites
@@ -814,7 +819,8 @@ class GuardFS(pyfuse3.Operations):
         the file is now empty) is told to reload its attributes and pages."""
         try:
             self._check(request)
-        except FUSEError:
+        except FUSEError as err:
+            f.refused = err.errno
             if f.pending_truncate:
                 ino = f.entry.ino
                 # Not from inside this request: the kernel may wait on it (deadlock).
@@ -866,6 +872,9 @@ class GuardFS(pyfuse3.Operations):
     def _end_session(self, f: _File) -> None:
         session = f.session
         if session is None or not f.dirty:
+            return
+        if f.refused:  # the session's write was refused: nothing of it landed, nothing to count
+            f.dirty = f.pending_truncate = False
             return
         if f.pending_truncate:  # opened with O_TRUNC, closed without writing: empty it now
             request = Request(

@@ -37,8 +37,6 @@ _TEST_COMMAND = re.compile(r"\b(pytest|py\.test|unittest|tox|nox|jest|vitest|moc
                            r"npm (run )?test|yarn test|pnpm test|make (test|check)|ctest|rspec|phpunit)\b")
 # One encoder for every call's canonical form (json.dumps with options builds a new one).
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str)
-# A refusal repeated this soon, identically, is the same act retried below the agent.
-_SAME_ACT_S = 2.0
 # git stats every tracked file: a forbidden one it meets is refused, but is no trip.
 _BENIGN_LOOKUP_ACTORS = frozenset({"git"})
 
@@ -232,8 +230,8 @@ class Breaker:
         if plan is not None and plan.cycle:
             self._trip(Rule.OSCILLATION, f"{plan.path} returned to an earlier version of itself (A→B→A)", None)
             return
-        if request.where.scope.counted:
-            self._progress()
+        if request.where.scope.counted and not (plan is not None and plan.unchanged):
+            self._progress()  # a write that leaves the content as it was is no progress
 
     def _rule_for_denial(self, request: Request, policy: Verdict) -> Rule | None:
         if policy.errno == ERRNO_FORBIDDEN:
@@ -484,12 +482,6 @@ class Breaker:
         err = refused.errno if refused is not None else ERRNO_LIMIT
         if self.state.terminal:
             return Verdict(False, f"breaker {self.state.value}", None, err, self.last_feedback or reason)
-        last = self.trips[-1] if self.trips else None
-        if (self.state is State.HALF_OPEN_REANCHOR and last is not None and last.rule is rule
-                and last.reason == reason and self.now() - last.time < _SAME_ACT_S):
-            # The same refused act again at once (a buffered write failing again at close,
-            # a library's retry): refused again, but not a second violation.
-            return Verdict(False, refused.rule if refused else _limit_rule(rule), None, err, self.last_feedback)
         if self.state is State.CLOSED and rule in self._recoverable:
             self.state = State.HALF_OPEN_REANCHOR
             self._refuse_next = refused is None  # nothing refused yet: refuse the next act

@@ -275,16 +275,11 @@ def test_passing_test_is_progress_and_notes_reach_the_snapshot() -> None:
     assert b.stop().state is State.OPEN_STOPPED
 
 
-def test_the_same_refusal_again_is_not_a_second_violation() -> None:
-    b, clock = make()
+def test_the_same_violation_again_is_a_second_violation() -> None:
+    """Retries below the agent (a buffered write failing again at close) are absorbed by the
+    filesystem, per open file; an agent trying the same thing again is a new act."""
+    b, _ = make()
     fs(b, "open", "src/auth/session.ts")
-    again = fs(b, "open", "src/auth/session.ts")  # the very same act, retried at once
-    assert not again.allow
     assert state_of(b) is State.HALF_OPEN_REANCHOR
-    clock.t += 5
-    fs(b, "open", "src/auth/session.ts")  # the agent trying it again later: a violation
-    assert state_of(b) is State.OPEN_SCOPE_SPILL
-    b.approve()
     fs(b, "open", "src/auth/session.ts")
-    fs(b, "open", "src/auth/other.ts")  # a different violation
     assert state_of(b) is State.OPEN_SCOPE_SPILL
