@@ -2,8 +2,9 @@
 
 Usage: .venv/bin/python bench/agents_bench.py [--hooks 60] [--repeat 2000]
 
-- hook: ``guard hook claude`` run as Claude Code runs it (a new process per tool call, JSON
-  on stdin) against a live daemon, from process start to exit: median and p99 in ms.
+- hook: the hook as guard run registers it for Claude Code (``python3 -S -E fasthook.py
+  claude``, a new process per tool call, JSON on stdin) against a live daemon, from process
+  start to exit: median and p99 in ms.
 - parser: the Claude Code stream-json parser over the captured stream (with partial
   messages), in lines per second.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from common import daemon_in_thread
 
+from sandbox.agents import fasthook
 from sandbox.agents.parsers import make_parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +46,8 @@ def hook_latency(n: int) -> dict[str, float]:
         event = {"hook_event_name": "PreToolUse", "tool_name": "Write", "cwd": str(ws),
                  "tool_input": {"file_path": f"src/checkout/f{i}.py", "content": "x = 1\n"}}
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "sandbox", "hook", "claude"], input=json.dumps(event), check=False,
+        proc = subprocess.run([sys.executable, "-S", "-E", fasthook.__file__, "claude"], input=json.dumps(event),
+                              check=False,
                               capture_output=True, text=True, env={"GUARD_SOCKET": str(daemon.agent_path),
                                                                    "PATH": "/usr/bin:/bin"})
         samples.append((time.perf_counter() - t0) * 1000)
@@ -76,7 +79,7 @@ def main() -> int:
     args = parser.parse_args()
     hook = hook_latency(args.hooks)
     parse = parser_throughput(args.repeat)
-    print(f"guard hook claude, per tool call (process start included): median {hook['median_ms']:.1f} ms, "
+    print(f"hook per tool call (process start included): median {hook['median_ms']:.1f} ms, "
           f"p99 {hook['p99_ms']:.1f} ms over {hook['calls']} calls")
     print(f"Claude Code stream-json parser: {parse['lines_per_s']:,.0f} lines/s "
           f"({parse['mib_per_s']:.1f} MiB/s) over {parse['lines']:,} lines")

@@ -33,6 +33,7 @@ from guardfs.fs import GuardFS
 from guardfs.manifest import Manifest
 from guardfs.mount import check_fuse_available, init_mount, keepalive, mount_options
 from sandbox.agents import Event, to_messages
+from sandbox.agents.hooks import hook_command
 from sandbox.agents.parsers import make_parser
 from sandbox.breaker import Breaker, State
 from sandbox.daemon import Daemon
@@ -205,19 +206,20 @@ def detect_agent(command: list[str]) -> str:
 
 def claude_settings() -> str:
     """Settings for Claude Code, passed with --settings: our hooks before and after every tool."""
-    hook = [{"matcher": "*", "hooks": [{"type": "command", "command": "guard hook claude", "timeout": 10}]}]
+    hook = [{"matcher": "*", "hooks": [{"type": "command", "command": hook_command("claude"), "timeout": 10}]}]
     return json.dumps({"hooks": {"PreToolUse": hook, "PostToolUse": hook}}, separators=(",", ":"))
 
 
 def codex_overrides() -> list[str]:
     """Codex config overrides (-c, TOML values) registering our hooks for this run only."""
-    hook = '[{matcher="*",hooks=[{type="command",command="guard hook codex",timeout=10}]}]'
+    command = hook_command("codex").replace("\\", "\\\\").replace('"', '\\"')
+    hook = f'[{{matcher="*",hooks=[{{type="command",command="{command}",timeout=10}}]}}]'
     return ["-c", f"hooks.PreToolUse={hook}", "-c", f"hooks.PostToolUse={hook}"]
 
 
 def gemini_settings() -> str:
     """Gemini CLI system settings for this run: our BeforeTool/AfterTool hooks."""
-    hook = [{"matcher": ".*", "hooks": [{"type": "command", "command": "guard hook gemini", "timeout": 10000}]}]
+    hook = [{"matcher": ".*", "hooks": [{"type": "command", "command": hook_command("gemini"), "timeout": 10000}]}]
     return json.dumps({"hooks": {"BeforeTool": hook, "AfterTool": hook}}, indent=2)
 
 

@@ -91,13 +91,13 @@ def test_guard_run_sets_up_each_agent_without_touching_its_config(tmp_path: Path
     if agent == "claude":
         assert argv[0] == "--settings" and argv[2:] == ["-p", "task"]
         hooks = json.loads(argv[1])["hooks"]
-        assert hooks["PreToolUse"][0]["hooks"][0]["command"] == "guard hook claude"
+        assert hooks["PreToolUse"][0]["hooks"][0]["command"].endswith("fasthook.py claude")
     elif agent == "codex":
         assert argv[:4] == ["-c", argv[1], "-c", argv[3]] and argv[4:] == ["-p", "task"]
-        assert argv[1].startswith("hooks.PreToolUse=") and "guard hook codex" in argv[1]
+        assert argv[1].startswith("hooks.PreToolUse=") and "fasthook.py codex" in argv[1]
     elif agent == "gemini":
         assert argv == ["-p", "task"]
         assert settings is not None
-        assert json.loads(settings)["hooks"]["BeforeTool"][0]["hooks"][0]["command"] == "guard hook gemini"
+        assert json.loads(settings)["hooks"]["BeforeTool"][0]["hooks"][0]["command"].endswith("fasthook.py gemini")
     else:
         assert argv == ["-p", "task"] and settings is None
