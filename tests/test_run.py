@@ -124,7 +124,11 @@ def test_escape_attempts_leave_workspace_and_host_untouched(tmp_path: Path) -> N
         assert results[name] in ("EROFS", "EACCES"), (name, results)
     assert results["unmount"] == "EPERM"
     assert results["control socket"] == "ENOENT"
-    assert results["read forbidden"] == "EACCES"
+    # The forbidden read trips a terminal breaker: the agent may be stopped before it could
+    # print what it met, so the guard's own record is the evidence.
+    assert results.get("read forbidden", "EACCES") == "EACCES"
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert any(e["path"] == ".env" and e.get("errno") == "EACCES" for e in events)
     # The forbidden read is terminal: with --ci the agent is stopped at once, exit 75.
     assert proc.returncode == 75, err
     assert "OPEN_FORBIDDEN_PATH" in err
@@ -439,7 +443,7 @@ def test_agent_as_a_non_root_user_under_a_root_guard(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "sandbox", "run", "--ci", "--user", "nobody", "--manifest", str(manifest),
          "--run-dir", str(run_dir), "--", "sh", "-c",
-         "id -u; echo '# by nobody' >> src/checkout/tax.py; echo x > README.md; cat .env; touch /tmp/ok && echo tmp"],
+         "id -u; echo '# by nobody' >> src/checkout/tax.py; touch /tmp/ok && echo tmp; echo x > README.md; cat .env"],
         cwd=ws, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
     )
     log = (run_dir / "stdout.log").read_text()
