@@ -13,28 +13,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from sandbox.agents.events import Event, Step, Tool, ToolDone, Totals, json_object
+from sandbox.agents.events import Event, JsonLinesParser, Step, Tool, ToolDone, Totals
 
 __all__ = ["ClaudeStreamParser"]
 
 
-class ClaudeStreamParser:
+class ClaudeStreamParser(JsonLinesParser):
     """Feed lines; get events. Tolerates blank and non-JSON lines (they are skipped)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._current: dict[str, Any] | None = None  # the message being assembled
         self._tools: dict[str, str] = {}  # tool_use_id -> tool name
         self._counted_out = 0
         self._counted_in = 0
         self._counted_cached = 0
-        self.lines = 0
 
-    def feed(self, line: bytes | str) -> list[Event]:
-        """Parse one line of the stream."""
-        self.lines += 1
-        doc = json_object(line)
-        if doc is None:
-            return []
+    def on_object(self, doc: dict[str, Any]) -> list[Event]:
+        """Events for one object of the stream."""
         kind = doc.get("type")
         if kind == "assistant":
             return self._assistant(doc.get("message") or {})

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sandbox.agents.events import Event, Step, Tool, ToolDone, Totals, json_object
+from sandbox.agents.events import Event, JsonLinesParser, Step, Tool, ToolDone, Totals
 
 __all__ = ["CodexJsonParser"]
 
@@ -21,21 +21,17 @@ _TOOL_ITEMS = {"command_execution": "shell", "file_change": "apply_patch", "mcp_
                "web_search": "web_search"}
 
 
-class CodexJsonParser:
+class CodexJsonParser(JsonLinesParser):
     """Feed lines; get events."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._tools: list[Tool] = []
         self._turns = 0
         self._totals = [0, 0, 0]
-        self.lines = 0
 
-    def feed(self, line: bytes | str) -> list[Event]:
-        """Parse one line."""
-        self.lines += 1
-        doc = json_object(line)
-        if doc is None:
-            return []
+    def on_object(self, doc: dict[str, Any]) -> list[Event]:
+        """Events for one object of the stream."""
         kind = doc.get("type")
         raw = doc.get("item")
         item: dict[str, Any] = raw if isinstance(raw, dict) else {}

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Event", "Step", "Tool", "ToolDone", "Totals", "json_object", "to_messages"]
+__all__ = ["Event", "JsonLinesParser", "Step", "Tool", "ToolDone", "Totals", "json_object", "to_messages"]
 
 
 def json_object(line: bytes | str) -> dict[str, Any] | None:
@@ -80,3 +80,26 @@ def to_messages(event: Event) -> list[dict[str, Any]]:
         return [{"type": "tool_result", "tool": event.name, "exit_code": event.exit_code,
                  "summary": event.summary[:4000]}]
     return []
+
+
+class JsonLinesParser:
+    """Base of the agents' stream parsers: counts lines, skips what is not a JSON object,
+    and hands each object to :meth:`on_object`."""
+
+    def __init__(self) -> None:
+        self.lines = 0
+
+    def feed(self, line: bytes | str) -> list[Event]:
+        """Events for one line of the stream."""
+        self.lines += 1
+        doc = json_object(line)
+        return [] if doc is None else self.on_object(doc)
+
+    def on_object(self, doc: dict[str, Any]) -> list[Event]:
+        """Events for one JSON object of the stream."""
+        raise NotImplementedError
+
+    def finish(self) -> list[Event]:
+        """The stream ended: events held back until now."""
+        return []
+

@@ -14,24 +14,20 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sandbox.agents.events import Event, Step, Tool, ToolDone, Totals, json_object
+from sandbox.agents.events import Event, JsonLinesParser, Step, Tool, ToolDone, Totals
 
 __all__ = ["GeminiStreamParser"]
 
 
-class GeminiStreamParser:
+class GeminiStreamParser(JsonLinesParser):
     """Feed lines; get events."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._tools: dict[str, str] = {}
-        self.lines = 0
 
-    def feed(self, line: bytes | str) -> list[Event]:
-        """Parse one line."""
-        self.lines += 1
-        doc = json_object(line)
-        if doc is None:
-            return []
+    def on_object(self, doc: dict[str, Any]) -> list[Event]:
+        """Events for one object of the stream."""
         kind = doc.get("type")
         if kind == "tool_use":
             tool = Tool(str(doc.get("tool_name", "")), doc.get("parameters"), str(doc.get("tool_id", "")))
@@ -49,10 +45,6 @@ class GeminiStreamParser:
             return [ToolDone(call_id, self._tools.get(call_id, "unknown"), 0 if ok else 1, output[:4000])]
         if kind == "result":
             return self._result(doc.get("stats") or {})
-        return []
-
-    def finish(self) -> list[Event]:
-        """Nothing is held back."""
         return []
 
     def _result(self, stats: dict[str, Any]) -> list[Event]:
