@@ -242,3 +242,30 @@ async def test_a_second_guard_on_the_same_run_dir_is_refused(tmp_path: Path) -> 
 async def test_client_reports_unreachable_guard(tmp_path: Path) -> None:
     with pytest.raises(GuardClientError, match="cannot reach the guard"):
         await AsyncGuardClient.connect(tmp_path / "nothing.sock")
+
+
+async def test_consecutive_failures_can_roll_back(tmp_path: Path) -> None:
+    """With [breaker] rollback_on_consecutive_failures, the trip asks the guard to roll back."""
+    events = EventLog(tmp_path / "events.jsonl")
+    manifest = parse_manifest(MANIFEST + "[breaker]\nrollback_on_consecutive_failures = true\n")
+    breaker = Breaker(manifest, WriteAccounting(), now=trio.current_time, emit=events.emit)
+    rollbacks: list[int] = []
+
+    def rollback() -> int:
+        rollbacks.append(1)
+        return 3  # paths restored, as GuardFS.rollback would say
+
+    daemon = Daemon(breaker, tmp_path / "run", str(tmp_path / "ws"), events, on_rollback=rollback)
+    daemon.prepare()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(daemon.run)
+        async with await AsyncGuardClient.connect(daemon.agent_path) as agent:
+            for i in range(3):
+                reply = await agent.tool_result("Bash", 1, f"make step{i}")
+        nursery.cancel_scope.cancel()
+    daemon.cleanup()
+    events.close()
+    assert reply["trip"]["rule"] == "consecutive_failures"
+    assert rollbacks == [1]
+    lines = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert any(e["op"] == "rollback" and e["paths"] == 3 for e in lines)
