@@ -2,9 +2,9 @@
 
 Usage: .venv/bin/python bench/agents_bench.py [--hooks 60] [--repeat 2000]
 
-- hook: the hook as guard run registers it for Claude Code (``python3 -S -E fasthook.py
-  claude``, a new process per tool call, JSON on stdin) against a live daemon, from process
-  start to exit: median and p99 in ms.
+- hook: the hook as guard run registers it for the agents (the compiled helper, and the
+  ``python3 -S -E fasthook.py`` fallback), a new process per tool call with JSON on stdin,
+  against a live daemon, from process start to exit: median and p99 in ms.
 - parser: the Claude Code stream-json parser over the captured stream (with partial
   messages), in lines per second.
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 from common import daemon_in_thread
 
 from sandbox.agents import fasthook
+from sandbox.agents.hooks import compiled_helper
 from sandbox.agents.parsers import make_parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,8 +38,8 @@ max_identical_calls = "unlimited"
 """
 
 
-def hook_latency(n: int) -> dict[str, float]:
-    """Run the hook n times against a daemon serving in a thread."""
+def hook_latency(n: int, argv: list[str]) -> dict[str, float]:
+    """Run the hook (*argv*) n times against a daemon serving in a thread."""
     daemon = daemon_in_thread(MANIFEST)
     ws = daemon.run_dir.parent / "ws"
     samples = []
@@ -46,8 +47,7 @@ def hook_latency(n: int) -> dict[str, float]:
         event = {"hook_event_name": "PreToolUse", "tool_name": "Write", "cwd": str(ws),
                  "tool_input": {"file_path": f"src/checkout/f{i}.py", "content": "x = 1\n"}}
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-S", "-E", fasthook.__file__, "claude"], input=json.dumps(event),
-                              check=False,
+        proc = subprocess.run(argv, input=json.dumps(event), check=False,
                               capture_output=True, text=True, env={"GUARD_SOCKET": str(daemon.agent_path),
                                                                    "PATH": "/usr/bin:/bin"})
         samples.append((time.perf_counter() - t0) * 1000)
@@ -77,14 +77,18 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=2000)
     parser.add_argument("--json", type=Path, default=ROOT / "bench/results/agents.json")
     args = parser.parse_args()
-    hook = hook_latency(args.hooks)
+    helper = compiled_helper()
+    hooks = {"python": hook_latency(args.hooks, [sys.executable, "-S", "-E", fasthook.__file__, "claude"])}
+    if helper is not None:
+        hooks["compiled"] = hook_latency(args.hooks, [str(helper), "claude"])
     parse = parser_throughput(args.repeat)
-    print(f"hook per tool call (process start included): median {hook['median_ms']:.1f} ms, "
-          f"p99 {hook['p99_ms']:.1f} ms over {hook['calls']} calls")
+    for name, hook in hooks.items():
+        print(f"hook ({name}) per tool call, process start included: median {hook['median_ms']:.2f} ms, "
+              f"p99 {hook['p99_ms']:.2f} ms over {hook['calls']} calls")
     print(f"Claude Code stream-json parser: {parse['lines_per_s']:,.0f} lines/s "
           f"({parse['mib_per_s']:.1f} MiB/s) over {parse['lines']:,} lines")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"hook": hook, "parser": parse}, indent=2))
+    args.json.write_text(json.dumps({"hook": hooks, "parser": parse}, indent=2))
     return 0
 
 

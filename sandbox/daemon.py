@@ -21,6 +21,7 @@ from typing import Any
 import trio
 
 from guardfs.events import EventLog
+from sandbox.agents.fasthook import GuardUnreachable, decide
 from sandbox.breaker import Breaker, Reply
 from sandbox.ledger import render_state, write_ledger
 from sandbox.protocol import (
@@ -30,6 +31,7 @@ from sandbox.protocol import (
     Check,
     Checkpoint,
     Hello,
+    Hook,
     Note,
     ProtocolError,
     Rollback,
@@ -241,6 +243,13 @@ class Daemon:
             self._rollback()
         return reply
 
+    def _ask_self(self, message: dict[str, Any]) -> dict[str, Any]:
+        """The hook logic's questions, answered here without a socket."""
+        reply = self._handle(json.dumps({"v": VERSION, **message}).encode(), "agent")
+        if not reply.get("ok"):
+            raise GuardUnreachable(str(reply.get("error")))
+        return reply
+
     def _rollback(self) -> dict[str, Any]:
         if self.on_rollback is None:
             return error_reply("this guard keeps no pre-images (rollback is for guard run)")
@@ -264,6 +273,9 @@ class Daemon:
                 return _reply(b.check(msg.tool, paths, msg.args, msg.mutating, outside=outside))
             case Note():
                 return _reply(b.note(msg.kind, msg.text))
+            case Hook():
+                code, text = decide(msg.event, self._ask_self)
+                return {"v": VERSION, "ok": True, "exit": code, "stderr": text}
             case Status():
                 return {"v": VERSION, "ok": True, "state": b.state.value, "ledger": b.snapshot()}
             case Approve():

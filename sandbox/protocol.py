@@ -84,6 +84,15 @@ class Note(_Msg):
     text: Annotated[str, Field(min_length=1, max_length=4000)]
 
 
+class Hook(_Msg):
+    """An agent's own hook event, forwarded whole by the compiled hook helper; the guard
+    answers with the exit status and the text the hook must print."""
+
+    type: Literal["hook"]
+    agent: Literal["claude", "codex", "gemini"]
+    event: dict[str, Any]
+
+
 class Status(_Msg):
     """The breaker's state and the ledger."""
 
@@ -116,11 +125,11 @@ class Checkpoint(_Msg):
     label: Annotated[str, Field(max_length=200)] = ""
 
 
-AgentMessage = Annotated[Hello | Step | ToolResult | Check | Note | Status, Field(discriminator="type")]
+AgentMessage = Annotated[Hello | Step | ToolResult | Check | Note | Status | Hook, Field(discriminator="type")]
 ControlMessage = Annotated[Status | Approve | Stop | Checkpoint | Rollback, Field(discriminator="type")]
 _AGENT: TypeAdapter[AgentMessage] = TypeAdapter(AgentMessage)
 _CONTROL: TypeAdapter[ControlMessage] = TypeAdapter(ControlMessage)
-_AGENT_TYPES = ("hello", "step", "tool_result", "check", "note", "status")
+_AGENT_TYPES = ("hello", "step", "tool_result", "check", "note", "status", "hook")
 _CONTROL_TYPES = ("status", "approve", "stop", "checkpoint", "rollback")
 
 
@@ -153,9 +162,9 @@ def _parse(line: bytes, adapter: TypeAdapter[Any], allowed: tuple[str, ...], soc
         raise ProtocolError(f"invalid {kind} message: {problems}") from err
 
 
-def parse_agent(line: bytes) -> Hello | Step | ToolResult | Check | Note | Status:
+def parse_agent(line: bytes) -> Hello | Step | ToolResult | Check | Note | Status | Hook:
     """Parse one agent-socket line; raise ProtocolError naming the problem."""
-    result: Hello | Step | ToolResult | Check | Note | Status = _parse(line, _AGENT, _AGENT_TYPES, "agent")
+    result: Hello | Step | ToolResult | Check | Note | Status | Hook = _parse(line, _AGENT, _AGENT_TYPES, "agent")
     return result
 
 

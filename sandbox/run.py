@@ -169,7 +169,7 @@ def _agent_argv(
     files: list[tuple[str, str]] = []
     if opts.agent == "gemini":
         settings = mnt.parent / "gemini-settings.json"
-        settings.write_text(gemini_settings())
+        settings.write_text(gemini_settings(opts.user is None))
         files.append((str(settings), GEMINI_SETTINGS))
         env["GEMINI_CLI_SYSTEM_SETTINGS_PATH"] = GEMINI_SETTINGS if bwrap is not None else str(settings)
     if bwrap is None:
@@ -204,22 +204,24 @@ def detect_agent(command: list[str]) -> str:
     return name if name in _FORMATS else "generic"
 
 
-def claude_settings() -> str:
+def claude_settings(compiled: bool = True) -> str:
     """Settings for Claude Code, passed with --settings: our hooks before and after every tool."""
-    hook = [{"matcher": "*", "hooks": [{"type": "command", "command": hook_command("claude"), "timeout": 10}]}]
+    command = hook_command("claude", compiled)
+    hook = [{"matcher": "*", "hooks": [{"type": "command", "command": command, "timeout": 10}]}]
     return json.dumps({"hooks": {"PreToolUse": hook, "PostToolUse": hook}}, separators=(",", ":"))
 
 
-def codex_overrides() -> list[str]:
+def codex_overrides(compiled: bool = True) -> list[str]:
     """Codex config overrides (-c, TOML values) registering our hooks for this run only."""
-    command = hook_command("codex").replace("\\", "\\\\").replace('"', '\\"')
+    command = hook_command("codex", compiled).replace("\\", "\\\\").replace('"', '\\"')
     hook = f'[{{matcher="*",hooks=[{{type="command",command="{command}",timeout=10}}]}}]'
     return ["-c", f"hooks.PreToolUse={hook}", "-c", f"hooks.PostToolUse={hook}"]
 
 
-def gemini_settings() -> str:
+def gemini_settings(compiled: bool = True) -> str:
     """Gemini CLI system settings for this run: our BeforeTool/AfterTool hooks."""
-    hook = [{"matcher": ".*", "hooks": [{"type": "command", "command": hook_command("gemini"), "timeout": 10000}]}]
+    command = hook_command("gemini", compiled)
+    hook = [{"matcher": ".*", "hooks": [{"type": "command", "command": command, "timeout": 10000}]}]
     return json.dumps({"hooks": {"BeforeTool": hook, "AfterTool": hook}}, indent=2)
 
 
@@ -229,10 +231,12 @@ GEMINI_SETTINGS = "/tmp/guard/gemini-settings.json"
 
 def _agent_command(opts: RunOptions) -> list[str]:
     """The command, with what the agent needs to call our hooks (never its own config files)."""
+    # An agent of another user may not reach the helper built for this one: the Python hook.
+    compiled = opts.user is None
     if opts.agent == "claude":
-        return [opts.command[0], "--settings", claude_settings(), *opts.command[1:]]
+        return [opts.command[0], "--settings", claude_settings(compiled), *opts.command[1:]]
     if opts.agent == "codex":
-        return [opts.command[0], *codex_overrides(), *opts.command[1:]]
+        return [opts.command[0], *codex_overrides(compiled), *opts.command[1:]]
     return list(opts.command)
 
 

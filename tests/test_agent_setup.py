@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from sandbox.agents.hooks import compiled_helper, hook_command
+
 from .conftest import guarded_mount
 
 MANIFEST = """
@@ -23,12 +25,20 @@ allowed = ["src/checkout/"]
 """
 
 
-def hook(agent: str, event: dict[str, object], socket: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "sandbox", "hook", agent], input=json.dumps(event),
-                          capture_output=True, text=True, env={**os.environ, "GUARD_SOCKET": str(socket)},
-                          timeout=60)
+def hook(agent: str, event: dict[str, object], socket: Path, how: str = "python") -> subprocess.CompletedProcess[str]:
+    """Run our hook as an agent would: the Python one (guard hook) or the compiled helper."""
+    if how == "compiled":
+        helper = compiled_helper()
+        if helper is None:
+            pytest.skip("no C compiler: agents get the Python hook")
+        argv = [str(helper), agent]
+    else:
+        argv = [sys.executable, "-m", "sandbox", "hook", agent]
+    return subprocess.run(argv, input=json.dumps(event), capture_output=True, text=True,
+                          env={**os.environ, "GUARD_SOCKET": str(socket)}, timeout=60)
 
 
+@pytest.mark.parametrize("how", ["python", "compiled"])
 @pytest.mark.parametrize(("agent", "before", "after", "tool", "tool_input"), [
     ("claude", "PreToolUse", "PostToolUse", "Edit", {"file_path": "src/auth/jwt.py", "old_string": "a",
                                                       "new_string": "b"}),
@@ -37,7 +47,7 @@ def hook(agent: str, event: dict[str, object], socket: Path) -> subprocess.Compl
     ("gemini", "BeforeTool", "AfterTool", "write_file", {"file_path": "src/auth/jwt.py", "content": "x"}),
 ])
 def test_hook_blocks_out_of_scope_and_reports_results(
-    tmp_path: Path, agent: str, before: str, after: str, tool: str, tool_input: dict[str, object]
+    tmp_path: Path, agent: str, before: str, after: str, tool: str, tool_input: dict[str, object], how: str
 ) -> None:
     (tmp_path / "backing/src/checkout").mkdir(parents=True)
     with guarded_mount(tmp_path, MANIFEST, run_dir=tmp_path / "run") as g:
@@ -45,15 +55,15 @@ def test_hook_blocks_out_of_scope_and_reports_results(
         sock = g.daemon.agent_path
         cwd = str(g.mnt)
         ok = hook(agent, {"hook_event_name": before, "tool_name": "Read", "cwd": cwd,
-                          "tool_input": {"file_path": "src/checkout/tax.py"}}, sock)
+                          "tool_input": {"file_path": "src/checkout/tax.py"}}, sock, how)
         assert ok.returncode == 0, ok.stderr
         blocked = hook(agent, {"hook_event_name": before, "tool_name": tool, "cwd": cwd, "tool_input": tool_input},
-                       sock)
+                       sock, how)
         assert blocked.returncode == 2
         assert "guard: refused" in blocked.stderr and "src/auth/jwt.py" in blocked.stderr
         assert "Fix the tax rounding helper" in blocked.stderr  # the re-anchoring text
         done = hook(agent, {"hook_event_name": after, "tool_name": "run_shell_command", "cwd": cwd,
-                            "tool_input": {"command": "pytest -q"}, "tool_response": {"exit_code": 1}}, sock)
+                            "tool_input": {"command": "pytest -q"}, "tool_response": {"exit_code": 1}}, sock, how)
         assert done.returncode == 0, done.stderr
         snap = g.daemon.breaker.snapshot()
         assert snap["trips"][0]["rule"] == "scope_spill"
@@ -91,13 +101,27 @@ def test_guard_run_sets_up_each_agent_without_touching_its_config(tmp_path: Path
     if agent == "claude":
         assert argv[0] == "--settings" and argv[2:] == ["-p", "task"]
         hooks = json.loads(argv[1])["hooks"]
-        assert hooks["PreToolUse"][0]["hooks"][0]["command"].endswith("fasthook.py claude")
+        assert hooks["PreToolUse"][0]["hooks"][0]["command"] == hook_command("claude")
     elif agent == "codex":
         assert argv[:4] == ["-c", argv[1], "-c", argv[3]] and argv[4:] == ["-p", "task"]
-        assert argv[1].startswith("hooks.PreToolUse=") and "fasthook.py codex" in argv[1]
+        assert argv[1].startswith("hooks.PreToolUse=") and hook_command("codex") in argv[1]
     elif agent == "gemini":
         assert argv == ["-p", "task"]
         assert settings is not None
-        assert json.loads(settings)["hooks"]["BeforeTool"][0]["hooks"][0]["command"].endswith("fasthook.py gemini")
+        assert json.loads(settings)["hooks"]["BeforeTool"][0]["hooks"][0]["command"] == hook_command("gemini")
     else:
         assert argv == ["-p", "task"] and settings is None
+
+
+@pytest.mark.parametrize("how", ["python", "compiled"])
+def test_hook_fails_closed_for_writes_when_the_guard_is_down(tmp_path: Path, how: str) -> None:
+    sock = tmp_path / "no-guard.sock"
+    write: dict[str, object] = {"hook_event_name": "PreToolUse", "tool_name": "Write", "cwd": str(tmp_path),
+             "tool_input": {"file_path": "src/checkout/tax.py", "content": "x"}}
+    proc = hook("claude", write, sock, how)
+    assert proc.returncode == 2
+    assert "refusing Write: the guard cannot be reached" in proc.stderr
+    read = {**write, "tool_name": "Read", "tool_input": {"file_path": "src/checkout/tax.py"}}
+    proc = hook("claude", read, sock, how)
+    assert proc.returncode == 0
+    assert "cannot reach the guard" in proc.stderr

@@ -18,9 +18,10 @@ import os
 import re
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["MUTATING_TOOLS", "main", "run_hook"]
+__all__ = ["MUTATING_TOOLS", "GuardUnreachable", "decide", "main", "run_hook"]
 
 #: Tools that write (Claude Code's, Codex's and Gemini CLI's names); shells count, since they can.
 MUTATING_TOOLS = frozenset({
@@ -33,15 +34,15 @@ _PATCH_FILE = re.compile(r"^\*\*\* (?:Add|Update|Delete) File: (.+)$", re.MULTIL
 BLOCK = 2
 
 
-class _Unreachable(Exception):
-    pass
+class GuardUnreachable(Exception):
+    """The guard's socket does not answer (or refused the request)."""
 
 
 def _ask(message: dict[str, Any]) -> dict[str, Any]:
     """One request on GUARD_SOCKET; raise _Unreachable naming the problem."""
     path = os.environ.get("GUARD_SOCKET")
     if not path:
-        raise _Unreachable("GUARD_SOCKET is not set")
+        raise GuardUnreachable("GUARD_SOCKET is not set")
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(5.0)
@@ -54,12 +55,12 @@ def _ask(message: dict[str, Any]) -> dict[str, Any]:
                     break
                 buf += chunk
     except OSError as err:
-        raise _Unreachable(f"cannot reach the guard at {path}: {err.strerror or err}") from err
+        raise GuardUnreachable(f"cannot reach the guard at {path}: {err.strerror or err}") from err
     if not buf:
-        raise _Unreachable(f"the guard at {path} closed the connection without replying")
+        raise GuardUnreachable(f"the guard at {path} closed the connection without replying")
     reply: dict[str, Any] = json.loads(buf.split(b"\n", 1)[0])
     if not reply.get("ok"):
-        raise _Unreachable(f"the guard refused the request: {reply.get('error')}")
+        raise GuardUnreachable(f"the guard refused the request: {reply.get('error')}")
     return reply
 
 
@@ -88,13 +89,11 @@ def _exit_code(response: Any) -> int:
     return 0
 
 
-def run_hook(agent: str, stdin: str) -> int:
-    """Handle one hook call (*agent*: claude, codex, gemini); returns the exit status."""
-    try:
-        event = json.loads(stdin)
-    except json.JSONDecodeError as err:
-        print(f"guard hook {agent}: no valid JSON on stdin ({err})", file=sys.stderr)
-        return BLOCK
+def decide(event: dict[str, Any], ask: Callable[[dict[str, Any]], dict[str, Any]]) -> tuple[int, str]:
+    """The hook's answer to one agent hook *event*: (exit status, text for stderr).
+
+    *ask* sends one agent-socket message and returns the reply, raising GuardUnreachable.
+    """
     name = str(event.get("hook_event_name", ""))
     tool = str(event.get("tool_name", ""))
     raw = event.get("tool_input")
@@ -104,23 +103,33 @@ def run_hook(agent: str, stdin: str) -> int:
         if name in ("PreToolUse", "BeforeTool"):
             args = {"command": tool_input.get("command")} if "command" in tool_input else tool_input
             paths = _paths(tool_input, str(event.get("cwd") or os.getcwd()))
-            reply = _ask({"type": "check", "tool": tool, "paths": paths, "args": args, "mutating": mutating})
+            reply = ask({"type": "check", "tool": tool, "paths": paths, "args": args, "mutating": mutating})
             if not reply["allow"]:
-                print(reply.get("feedback") or f"guard: {tool} refused ({reply['state']})", file=sys.stderr)
-                return BLOCK
-            if reply.get("warning"):
-                print(reply["warning"], file=sys.stderr)
-        elif name in ("PostToolUse", "AfterTool"):
+                return BLOCK, reply.get("feedback") or f"guard: {tool} refused ({reply['state']})"
+            return 0, reply.get("warning", "")
+        if name in ("PostToolUse", "AfterTool"):
             summary = str(tool_input.get("command") or tool_input.get("file_path") or "")[:4000]
-            _ask({"type": "tool_result", "tool": tool, "exit_code": _exit_code(event.get("tool_response")),
-                  "summary": summary})
-    except _Unreachable as err:
+            ask({"type": "tool_result", "tool": tool, "exit_code": _exit_code(event.get("tool_response")),
+                 "summary": summary})
+    except GuardUnreachable as err:
         if mutating and name in ("PreToolUse", "BeforeTool"):
-            print(f"guard: refusing {tool}: the guard cannot be reached ({err}); writes stay blocked "
-                  "until it is back", file=sys.stderr)
-            return BLOCK
-        print(f"guard hook: {err}", file=sys.stderr)
-    return 0
+            return BLOCK, (f"guard: refusing {tool}: the guard cannot be reached ({err}); writes stay blocked "
+                           "until it is back")
+        return 0, f"guard hook: {err}"
+    return 0, ""
+
+
+def run_hook(agent: str, stdin: str) -> int:
+    """Handle one hook call (*agent*: claude, codex, gemini); returns the exit status."""
+    try:
+        event = json.loads(stdin)
+    except json.JSONDecodeError as err:
+        print(f"guard hook {agent}: no valid JSON on stdin ({err})", file=sys.stderr)
+        return BLOCK
+    code, text = decide(event if isinstance(event, dict) else {}, _ask)
+    if text:
+        print(text, file=sys.stderr)
+    return code
 
 
 def main() -> int:
