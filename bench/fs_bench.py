@@ -125,7 +125,7 @@ def atomic_writes(where: Path, n: int = 5000) -> None:
         os.rename(tmp, d / f"f{i}")
 
 
-def workloads(tar: Path) -> list[tuple[str, bool, Callable[[Path], None]]]:
+def workloads(tar: Path) -> list[tuple[str, bool, Callable[[Path], float | None]]]:
     """(name, drop caches first, action on a workspace directory)."""
     def extract(w: Path) -> None:
         sh("tar", "-xf", str(tar), cwd=w)
@@ -141,7 +141,45 @@ def workloads(tar: Path) -> list[tuple[str, bool, Callable[[Path], None]]]:
         sh("git", "config", "gc.auto", "0", cwd=w)
         sh("git", "add", "-A", cwd=w)
         sh("git", "commit", "-q", "-m", "tree", cwd=w)
+
+    def git_status(w: Path) -> None:
         sh("git", "status", "--porcelain", cwd=w)
+
+    def compileall(w: Path) -> None:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "1", "."], cwd=w, check=False,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def files(w: Path) -> list[Path]:
+        return sorted(w.rglob("*.py"))[:2000]
+
+    def stat_warm(w: Path) -> float:
+        paths = files(w)
+        for f in paths:  # the listing and a first pass warm the caches; the second is timed
+            os.stat(f)
+        start = time.perf_counter()
+        for f in paths:
+            os.stat(f)
+        return time.perf_counter() - start
+
+    def open_close(w: Path) -> float:
+        paths = files(w)
+        for f in paths:
+            os.stat(f)
+        start = time.perf_counter()
+        for f in paths:
+            os.close(os.open(f, os.O_RDONLY))
+        return time.perf_counter() - start
+
+    def pytest_run(w: Path) -> None:
+        tests = w / "bench_tests"
+        tests.mkdir(exist_ok=True)
+        for i in range(60):
+            (tests / f"test_m{i}.py").write_text(
+                "import json, pathlib\n\n" + "".join(
+                    f"def test_{j}(tmp_path):\n    p = tmp_path / 'f'\n    p.write_text(json.dumps({j}))\n"
+                    f"    assert json.loads(p.read_text()) == {j}\n\n" for j in range(5)))
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "bench_tests"], cwd=w,
+                       check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def dd_write(w: Path) -> None:
         sh("dd", "if=/dev/zero", f"of={w / 'big'}", "bs=1M", "count=256", "status=none")
@@ -157,7 +195,12 @@ def workloads(tar: Path) -> list[tuple[str, bool, Callable[[Path], None]]]:
         ("tar -x (source tree)", False, extract),
         ("find, first walk", True, find),
         ("grep -r, first walk", True, grep),
-        ("git init + add + commit + status", False, git),
+        ("git init + add + commit", False, git),
+        ("git status", False, git_status),
+        ("python -m compileall", False, compileall),
+        ("stat, warm (2,000 files)", False, stat_warm),
+        ("open + close (2,000 files)", False, open_close),
+        ("pytest run (300 tests)", False, pytest_run),
         ("5,000 x write + rename", False, atomic_writes),
         ("dd write 256 MiB", False, dd_write),
         ("dd read 256 MiB, bs=4k, cold", True, dd_read),
@@ -165,13 +208,14 @@ def workloads(tar: Path) -> list[tuple[str, bool, Callable[[Path], None]]]:
     ]
 
 
-def time_it(fn: Callable[[Path], None], where: Path, drop: bool) -> float:
-    """Seconds for one run of *fn* in *where*."""
+def time_it(fn: Callable[[Path], float | None], where: Path, drop: bool) -> float:
+    """Seconds for one run of *fn* in *where* (or the time *fn* measured itself)."""
     if drop:
         drop_caches()
     start = time.perf_counter()
-    fn(where)
-    return time.perf_counter() - start
+    measured = fn(where)
+    elapsed = time.perf_counter() - start
+    return measured if measured is not None else elapsed
 
 
 def decision_cost(samples: int = 200_000) -> dict[str, float]:
