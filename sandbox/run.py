@@ -33,7 +33,7 @@ from guardfs.fs import GuardFS
 from guardfs.manifest import Manifest
 from guardfs.mount import check_fuse_available, init_mount, keepalive, mount_options
 from sandbox.agents import Event, to_messages
-from sandbox.agents.hooks import hook_command
+from sandbox.agents.hooks import compiled_helper, hook_command
 from sandbox.agents.parsers import make_parser
 from sandbox.breaker import Breaker, State
 from sandbox.daemon import Daemon
@@ -98,6 +98,8 @@ def run(opts: RunOptions) -> int:
     os.chmod(stage, 0o711 if opts.user is not None else 0o755)
     mnt = stage / "mnt"
     mnt.mkdir(exist_ok=True)
+    if opts.agent in _FORMATS and opts.user is None:
+        compiled_helper()  # built (once per machine) before the mount is up, not in its loop
     private = private_mount_namespace()  # before trio starts any thread
     _say(f"run directory {run_dir}")
     events = EventLog(run_dir / "events.jsonl")
