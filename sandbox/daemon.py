@@ -218,7 +218,7 @@ class Daemon:
     async def _send(self, stream: trio.SocketStream, reply: dict[str, Any]) -> bool:
         with trio.move_on_after(SEND_TIMEOUT_S):
             try:
-                await stream.send_all(json.dumps(reply, separators=(",", ":")).encode() + b"\n")
+                await stream.send_all(json.dumps(reply, separators=(",", ":"), ensure_ascii=False).encode() + b"\n")
                 return True
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return False

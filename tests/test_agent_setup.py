@@ -125,3 +125,16 @@ def test_hook_fails_closed_for_writes_when_the_guard_is_down(tmp_path: Path, how
     proc = hook("claude", read, sock, how)
     assert proc.returncode == 0
     assert "cannot reach the guard" in proc.stderr
+
+
+@pytest.mark.parametrize("how", ["python", "compiled"])
+def test_hook_feedback_keeps_non_ascii_text(tmp_path: Path, how: str) -> None:
+    goal = "Réparer l'arrondi — les coupons restent ≥ 0 🙂"
+    manifest = MANIFEST.replace("Fix the tax rounding helper in src/checkout/", goal)
+    (tmp_path / "backing/src/checkout").mkdir(parents=True)
+    with guarded_mount(tmp_path, manifest, run_dir=tmp_path / "run") as g:
+        assert g.daemon is not None
+        blocked = hook("claude", {"hook_event_name": "PreToolUse", "tool_name": "Write", "cwd": str(g.mnt),
+                                  "tool_input": {"file_path": "README.md", "content": "x"}}, g.daemon.agent_path, how)
+    assert blocked.returncode == 2
+    assert goal in blocked.stderr
