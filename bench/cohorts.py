@@ -34,7 +34,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 35
-BASE_TOKENS = 1850
 COHORTS = {"A": "clean, bounded", "B": "drift at step 21", "C": "oscillation from step 17",
            "D": "runaway reads from step 22"}
 SEED = {"cohorts": "1000 trajectories", "out_of_scope_landed_guarded": 0, "out_of_scope_landed_unguarded": 3750,

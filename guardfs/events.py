@@ -22,8 +22,7 @@ class EventLog:
     def __init__(self, path: str | os.PathLike[str] | None, clock: Callable[[], float] = time.time) -> None:
         self.path = path
         self.clock = clock
-        self.counts: Counter[str] = Counter()  # "read", "deny", "mutation", ...
-        self.recent: list[dict[str, Any]] = []  # last events, for the ledger and tests
+        self.counts: Counter[str] = Counter()  # "read" (allowed reads, counted only), "deny", ops
         self._file: TextIO | None = None
         if path is not None:
             self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the log
@@ -33,17 +32,10 @@ class EventLog:
         event: dict[str, Any] = {"time": round(self.clock(), 6), "op": op, "path": path, "decision": decision}
         event.update((k, v) for k, v in fields.items() if v is not None)
         self.counts["deny" if decision == "deny" else op] += 1
-        self.recent.append(event)
-        if len(self.recent) > 1000:
-            del self.recent[:500]
         if self._file is not None:
             self._file.write(json.dumps(event, separators=(",", ":")) + "\n")
             self._file.flush()
         return event
-
-    def count_read(self) -> None:
-        """Count an allowed read without logging it."""
-        self.counts["read"] += 1
 
     def close(self) -> None:
         """Flush and close the file."""

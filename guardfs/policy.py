@@ -37,11 +37,6 @@ class Scope(enum.Enum):
     OUT_OF_SCOPE = "out-of-scope"  # readable, not writable
 
     @property
-    def readable(self) -> bool:
-        """Whether the agent may look the path up and read it."""
-        return self is not Scope.FORBIDDEN
-
-    @property
     def counted(self) -> bool:
         """Whether mutations count toward the blast radius and rewrite limits."""
         return self is Scope.ALLOWED

@@ -195,7 +195,6 @@ def _agent_argv(
     return argv, Path("/"), env
 
 
-AGENTS = ("claude", "codex", "gemini", "generic")
 #: What each agent's output is parsed as.
 _FORMATS = {"claude": "claude-stream-json", "codex": "codex-json", "gemini": "gemini-stream-json"}
 

@@ -25,9 +25,7 @@ class ClaudeStreamParser(JsonLinesParser):
         super().__init__()
         self._current: dict[str, Any] | None = None  # the message being assembled
         self._tools: dict[str, str] = {}  # tool_use_id -> tool name
-        self._counted_out = 0
-        self._counted_in = 0
-        self._counted_cached = 0
+        self._counted_out = 0  # output tokens reported per call so far
 
     def on_object(self, doc: dict[str, Any]) -> list[Event]:
         """Events for one object of the stream."""
@@ -81,9 +79,7 @@ class ClaudeStreamParser(JsonLinesParser):
         if cur is None:
             return []
         self._current = None
-        self._counted_in += cur["in"]
         self._counted_out += cur["out"]
-        self._counted_cached += cur["cached"]
         return [Step(cur["id"], cur["in"], cur["out"], cur["cached"], tuple(cur["tools"]))]
 
     def _tool_results(self, message: dict[str, Any]) -> list[Event]:
