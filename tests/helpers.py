@@ -10,7 +10,17 @@ from pathlib import Path
 
 from sandbox.breaker import Breaker, State
 
-__all__ = ["snapshot", "state_of", "wait_for"]
+__all__ = ["FIX_TAX", "snapshot", "state_of", "wait_for"]
+
+#: The scope most end-to-end tests use: writes in src/checkout/ only, .env* forbidden.
+FIX_TAX = """
+[task]
+id = "fix-tax"
+goal = "Fix the tax rounding helper in src/checkout/"
+[paths]
+allowed = ["src/checkout/"]
+forbidden = [".env*"]
+"""
 
 
 def state_of(breaker: Breaker) -> State:

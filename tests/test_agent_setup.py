@@ -15,14 +15,7 @@ import pytest
 from sandbox.agents.hooks import compiled_helper, hook_command
 
 from .conftest import guarded_mount
-
-MANIFEST = """
-[task]
-id = "fix-tax"
-goal = "Fix the tax rounding helper in src/checkout/"
-[paths]
-allowed = ["src/checkout/"]
-"""
+from .helpers import FIX_TAX as MANIFEST
 
 
 def hook(agent: str, event: dict[str, object], socket: Path, how: str = "python") -> subprocess.CompletedProcess[str]:

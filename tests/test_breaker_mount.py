@@ -17,18 +17,9 @@ from sandbox.client import GuardClient
 from sandbox.ledger import render_state
 
 from .conftest import guarded_mount
-from .helpers import state_of, wait_for
+from .helpers import FIX_TAX, state_of, wait_for
 
-MANIFEST = """
-[task]
-id = "fix-tax"
-goal = "Fix the tax rounding helper in src/checkout/"
-[paths]
-allowed = ["src/checkout/"]
-forbidden = [".env*"]
-[limits]
-max_window_tokens = 30000
-"""
+MANIFEST = FIX_TAX + "[limits]\nmax_window_tokens = 30000\n"
 
 
 def guard(*args: str) -> subprocess.CompletedProcess[str]:

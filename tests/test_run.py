@@ -16,16 +16,8 @@ import pexpect
 import psutil
 import pytest
 
+from .helpers import FIX_TAX as MANIFEST
 from .helpers import snapshot, wait_for
-
-MANIFEST = """
-[task]
-id = "fix-tax"
-goal = "Fix the tax rounding helper in src/checkout/"
-[paths]
-allowed = ["src/checkout/"]
-forbidden = [".env*"]
-"""
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="runs as root, as CI does")
 
