@@ -15,6 +15,7 @@ process, without FUSE.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -25,6 +26,8 @@ import sysconfig
 import tarfile
 import tempfile
 import time
+import urllib.request
+import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,13 +37,17 @@ from guardfs.events import EventLog
 from guardfs.manifest import parse_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache" / "bench"
+DJANGO = "5.2"
+# What libfuse's meson build would put in config.h on this system.
+HP_DEFINES = ["-DHAVE_UTIMENSAT", "-DHAVE_POSIX_FALLOCATE", "-DHAVE_SETXATTR"]
 MANIFEST = """
 [task]
 id = "bench"
 goal = "Benchmark the mount"
 [paths]
 allowed = ["**"]
-forbidden = [".env*", "**/migrations/", "src/auth/root_keys.ts"]
+forbidden = [".env*", "**/secrets/", "src/auth/root_keys.ts"]
 [limits]
 max_files = "unlimited"
 max_rewrites = "unlimited"
@@ -60,12 +67,29 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def source_tarball(dest: Path) -> tuple[Path, int]:
-    """A tarball of the standard library (no site-packages, no __pycache__)."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    tar = dest / "stdlib.tar"
+def source_tarball(dest: Path, cache: Path) -> tuple[Path, int, str]:
+    """A tarball of Django 5.2's ``django/`` package (the standard library without the network)."""
+    tar = dest / "tree.tar"
+    wheel = next(cache.glob(f"Django-{DJANGO}-*.whl"), None)
+    if wheel is None:
+        cache.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+                        "-d", str(cache), f"django=={DJANGO}"], check=False)
+        wheel = next(cache.glob(f"Django-{DJANGO}-*.whl"), None)
     count = 0
     with tarfile.open(tar, "w") as tf:
+        if wheel is not None:
+            with zipfile.ZipFile(wheel) as zf:
+                for info in zf.infolist():
+                    if info.filename.startswith("django/") and not info.is_dir():
+                        member = tarfile.TarInfo(info.filename)
+                        member.size, member.mode = info.file_size, 0o644
+                        member.mtime = int(time.mktime((*info.date_time, 0, 0, -1)))
+                        tf.addfile(member, zf.open(info))
+                        count += 1
+            return tar, count, f"Django {DJANGO}'s django/ package"
+        print("fs_bench: Django could not be downloaded; using the standard library instead", file=sys.stderr)
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
         for dirpath, dirnames, filenames in os.walk(stdlib):
             dirnames[:] = [d for d in dirnames if d not in ("site-packages", "__pycache__")]
             for name in filenames:
@@ -73,7 +97,37 @@ def source_tarball(dest: Path) -> tuple[Path, int]:
                 if p.is_file() and not p.is_symlink():
                     tf.add(p, arcname=str(p.relative_to(stdlib.parent)))
                     count += 1
-    return tar, count
+    return tar, count, "the standard library"
+
+
+def passthrough_hp(cache: Path) -> Path | None:
+    """libfuse's C reference ``passthrough_hp``, built once from the Debian source of the
+    installed libfuse3 (the example is not packaged in binary form); None if that fails."""
+    binary = cache / "passthrough_hp"
+    if binary.exists():
+        return binary
+    version = subprocess.run(["pkg-config", "--modversion", "fuse3"], check=False, capture_output=True,
+                             text=True).stdout.strip()
+    url = f"http://deb.debian.org/debian/pool/main/f/fuse3/fuse3_{version}.orig.tar.xz"
+    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            archive = Path(tmp) / "src.tar.xz"
+            with urllib.request.urlopen(url, timeout=60) as response:
+                archive.write_bytes(response.read())
+            with tarfile.open(archive) as tf:
+                members = [m for m in tf.getmembers() if m.name.endswith(("example/passthrough_hp.cc",
+                                                                          "example/cxxopts.hpp"))]
+                tf.extractall(tmp, members=members, filter="data")
+            source = next(Path(tmp).glob("*/example/passthrough_hp.cc"))
+            flags = subprocess.run(["pkg-config", "--cflags", "--libs", "fuse3"], capture_output=True, text=True,
+                                   check=True).stdout.split()
+            compile_ = ["g++", "-O2", "-std=c++17", *HP_DEFINES, "-o", str(binary), str(source), *flags, "-lpthread"]
+            subprocess.run(compile_, check=True)
+    except (OSError, subprocess.CalledProcessError, StopIteration, tarfile.TarError) as err:
+        print(f"fs_bench: no passthrough_hp column ({url}: {err})", file=sys.stderr)
+        return None
+    return binary
 
 
 @contextmanager
@@ -94,22 +148,45 @@ def loop_ext4(size_mb: int = 3072) -> Iterator[Path]:
 
 
 @contextmanager
-def guard_mount(backing: Path, mnt: Path, events: Path) -> Iterator[None]:
-    """``guard mount`` as a user runs it."""
-    manifest = backing.parent / "bench.toml"
-    manifest.write_text(MANIFEST)
-    proc = subprocess.Popen([sys.executable, "-m", "sandbox", "mount", "--manifest", str(manifest),
-                             "--events", str(events), str(backing), str(mnt)])
+def served(command: list[str], mnt: Path) -> Iterator[None]:
+    """A FUSE server started with *command*, mounted at *mnt* for the block."""
+    proc = subprocess.Popen(command)
     try:
         deadline = time.monotonic() + 30
         while not os.path.ismount(mnt):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("guard mount did not come up")
+                raise RuntimeError(f"{command[0]} did not mount {mnt}")
             time.sleep(0.02)
         yield
     finally:
         proc.terminate()
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if os.path.ismount(mnt):
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+Side = Callable[[Path, Path], list[str]]
+
+
+def sides(hp: Path | None) -> dict[str, Side]:
+    """The FUSE servers compared with native: name -> command(backing, mountpoint)."""
+    control = str(ROOT / "bench" / "passthrough.py")
+
+    def guardfs(backing: Path, mnt: Path) -> list[str]:
+        manifest = backing.parent / "bench.toml"
+        manifest.write_text(MANIFEST)
+        return [sys.executable, "-m", "sandbox", "mount", "--manifest", str(manifest),
+                "--events", str(backing.parent / f"{backing.name}.events.jsonl"), str(backing), str(mnt)]
+
+    found: dict[str, Side] = {"guardfs": guardfs}
+    if hp is not None:
+        found["passthrough_hp (C)"] = lambda b, m: [str(hp), "--foreground", str(b), str(m)]
+    found["pyfuse3 passthrough"] = lambda b, m: [sys.executable, control, str(b), str(m)]
+    found["pyfuse3, 60 s timeouts"] = lambda b, m: [sys.executable, control, "--timeout", "60", str(b), str(m)]
+    return found
 
 
 def atomic_writes(where: Path, n: int = 5000) -> None:
@@ -187,6 +264,23 @@ def workloads(tar: Path) -> list[tuple[str, bool, Callable[[Path], float | None]
     def dd_read(w: Path) -> None:
         sh("dd", f"if={w / 'big'}", "of=/dev/null", "bs=4k", "status=none")
 
+    def dd_read_warm(w: Path) -> float:
+        dd_read(w)
+        start = time.perf_counter()
+        dd_read(w)
+        return time.perf_counter() - start
+
+    def repeated_walk(w: Path) -> float:
+        def walk() -> None:
+            find(w)
+            grep(w)
+            git_status(w)
+
+        walk()  # the first walk fills the caches; the second is timed
+        start = time.perf_counter()
+        walk()
+        return time.perf_counter() - start
+
     def rm(w: Path) -> None:
         for entry in w.iterdir():
             sh("rm", "-rf", str(entry))
@@ -197,6 +291,7 @@ def workloads(tar: Path) -> list[tuple[str, bool, Callable[[Path], float | None]
         ("grep -r, first walk", True, grep),
         ("git init + add + commit", False, git),
         ("git status", False, git_status),
+        ("repeated walk: find + grep -r + git status", False, repeated_walk),
         ("python -m compileall", False, compileall),
         ("stat, warm (2,000 files)", False, stat_warm),
         ("open + close (2,000 files)", False, open_close),
@@ -204,6 +299,7 @@ def workloads(tar: Path) -> list[tuple[str, bool, Callable[[Path], float | None]
         ("5,000 x write + rename", False, atomic_writes),
         ("dd write 256 MiB", False, dd_write),
         ("dd read 256 MiB, bs=4k, cold", True, dd_read),
+        ("dd read 256 MiB, bs=4k, warm", False, dd_read_warm),
         ("rm -rf", False, rm),
     ]
 
@@ -248,34 +344,47 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3, help="runs per workload and side; the median is reported")
     parser.add_argument("--json", type=Path, default=ROOT / "bench/results/fs.json")
+    parser.add_argument("--only", action="append", default=[], metavar="SIDE",
+                        help="measure only this FUSE side (repeatable): guardfs, 'passthrough_hp (C)', ...")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("fs_bench: needs root (loop-mounted ext4, drop_caches)", file=sys.stderr)
         return 69
     cost = decision_cost()
     print(f"decision cost per operation: median {cost['median_us']:.2f} us, p99 {cost['p99_us']:.2f} us")
+    servers = sides(passthrough_hp(CACHE))
+    if args.only:
+        servers = {name: cmd for name, cmd in servers.items() if name in args.only}
     results: dict[str, dict[str, list[float]]] = {}
     with loop_ext4() as fsroot:
-        tar, files = source_tarball(fsroot)
-        print(f"source tree: {files} files of the standard library")
+        tar, files, what = source_tarball(fsroot, CACHE)
+        print(f"source tree: {files} files of {what}")
         for run in range(args.repeat):
-            native, backing, mnt = fsroot / f"native{run}", fsroot / f"backing{run}", fsroot / f"mnt{run}"
-            for d in (native, backing, mnt):
-                d.mkdir()
-            with guard_mount(backing, mnt, fsroot / f"events{run}.jsonl"):
-                for name, drop, fn in workloads(tar):
-                    side = results.setdefault(name, {"native": [], "guardfs": []})
-                    side["native"].append(time_it(fn, native, drop))
-                    side["guardfs"].append(time_it(fn, mnt, drop))
+            places = {"native": fsroot / f"native{run}"}
+            with contextlib.ExitStack() as stack:
+                places["native"].mkdir()
+                for i, (name, command) in enumerate(servers.items()):
+                    backing, mnt = fsroot / f"backing{run}.{i}", fsroot / f"mnt{run}.{i}"
+                    backing.mkdir()
+                    mnt.mkdir()
+                    stack.enter_context(served(command(backing, mnt), mnt))
+                    places[name] = mnt
+                for workload, drop, fn in workloads(tar):
+                    for name, where in places.items():
+                        results.setdefault(workload, {}).setdefault(name, []).append(time_it(fn, where, drop))
+            print(f"run {run + 1} of {args.repeat} done", file=sys.stderr)
     rows = []
-    print(f"\n{'workload':<36} {'native s':>9} {'guardfs s':>10} {'ratio':>7}")
-    for name, side in results.items():
-        n, g = statistics.median(side["native"]), statistics.median(side["guardfs"])
-        rows.append({"workload": name, "native_s": n, "guardfs_s": g, "ratio": g / n})
-        print(f"{name:<36} {n:>9.3f} {g:>10.3f} {g / n:>6.1f}x")
+    names = ["native", *servers]
+    print(f"\n{'workload':<44} {'native s':>9}" + "".join(f" {n[:22]:>22}" for n in names[1:]))
+    for workload, measured in results.items():
+        medians = {name: statistics.median(measured[name]) for name in names}
+        base = medians["native"]
+        rows.append({"workload": workload, "seconds": medians,
+                     "ratio": {name: medians[name] / base for name in names[1:]}})
+        print(f"{workload:<44} {base:>9.3f}" + "".join(f" {medians[n] / base:>21.1f}x" for n in names[1:]))
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"decision": cost, "files": files, "repeat": args.repeat, "rows": rows},
-                                    indent=2))
+    args.json.write_text(json.dumps({"decision": cost, "files": files, "tree": what, "repeat": args.repeat,
+                                     "rows": rows}, indent=2))
     print(f"\nwritten to {args.json}")
     return 0
 
