@@ -228,8 +228,22 @@ def _check_writable(path: str) -> str:
     return path
 
 
+def _check_lane(path: str) -> str:
+    parts = path.strip("/").split("/")
+    if path.startswith("/") or not path.strip("/"):
+        raise ValueError(f"{path!r} must be a directory relative to the workspace root, like 'node_modules'")
+    if any(c in path for c in "*?[\\!"):
+        raise ValueError(f"{path!r}: fast lanes are literal directory paths, not patterns")
+    if ".." in parts or "." in parts or "" in parts:
+        raise ValueError(f"{path!r} must be a plain relative path (no '.', '..' or '//')")
+    if parts[0] in (".git", ".guard"):
+        raise ValueError(f"{path!r}: {parts[0]}/ cannot be a fast lane (git and the guard write there)")
+    return path.strip("/")
+
+
 class SandboxSettings(_Strict):
-    """What the agent may write outside the workspace when ``guard run`` isolates it."""
+    """What the agent may write outside the workspace when ``guard run`` isolates it, and
+    which subtrees it reads natively (fast lanes)."""
 
     writable: list[Annotated[str, AfterValidator(_check_writable)]] = Field(
         default_factory=list,
@@ -237,6 +251,24 @@ class SandboxSettings(_Strict):
             "Extra directories (absolute, or starting with ~) the agent may write, such as its "
             "own configuration directory. Everything else outside the workspace and a private "
             "/tmp is read-only. Paths that do not exist are skipped."
+        ),
+    )
+    fast_lanes: list[Annotated[str, AfterValidator(_check_lane)]] = Field(
+        default_factory=list,
+        description=(
+            "Heavy, read-mostly directories of the workspace (e.g. 'node_modules', '.venv') that "
+            "guard run binds natively read-only into the sandbox, so reading them never crosses "
+            "FUSE. Forbidden paths inside are masked. The agent cannot write there at all, and "
+            "neither its reads nor its refused writes there reach the breaker."
+        ),
+    )
+    out_of_scope_fast_lanes: bool = Field(
+        default=False,
+        description=(
+            "Also bind natively read-only every directory that lies wholly outside paths.allowed "
+            "(needs allowed patterns anchored at a literal directory, like 'src/checkout/**'). "
+            "Faster reads; but a write attempted there is refused by the kernel and never reaches "
+            "the breaker, so scope_spill does not see it."
         ),
     )
 

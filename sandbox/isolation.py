@@ -113,11 +113,14 @@ def bwrap_argv(
     pty: bool = False,
     entry: Sequence[str] | None = None,
     files: Sequence[tuple[str, str]] = (),
+    over_workspace: Sequence[str] = (),
 ) -> list[str]:
     """The full command line that starts *command* isolated, in *cwd*.
 
     *entry* is how to run :mod:`sandbox.enter` (default: this interpreter, ``-m``); *files*
-    are (source, destination) pairs bound read-only (an agent's settings for this run).
+    are (source, destination) pairs bound read-only (an agent's settings for this run);
+    *over_workspace* are bubblewrap arguments applied right after the mount is bound at the
+    workspace (the fast lanes and their masks).
     """
     argv = [
         bwrap,
@@ -129,6 +132,7 @@ def bwrap_argv(
         "--tmpfs", "/tmp",
         *_keep_visible(["/tmp"]),
         "--bind", mountpoint, workspace,
+        *over_workspace,
         "--tmpfs", run_dir,
         "--dir", SANDBOX_RUN_DIR,
         "--bind", agent_socket, f"{SANDBOX_RUN_DIR}/agent.sock",

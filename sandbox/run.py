@@ -39,6 +39,7 @@ from sandbox.breaker import Breaker, State
 from sandbox.daemon import Daemon
 from sandbox.exitcodes import Exit
 from sandbox.isolation import bwrap_argv, private_mount_namespace, probe, system_entry
+from sandbox.lanes import bwrap_lane_args, plan_lanes
 from sandbox.quarantine import Recorder, console, digest
 from sandbox.supervisor import ProcessTree
 
@@ -103,6 +104,7 @@ def run(opts: RunOptions) -> int:
     private = private_mount_namespace()  # before trio starts any thread
     _say(f"run directory {run_dir}")
     events = EventLog(run_dir / "events.jsonl")
+    lane_args = _fast_lanes(opts, bwrap, stage, events)
     accounting = WriteAccounting()
     breaker = Breaker(opts.manifest, accounting, now=time.time, emit=events.emit)
     (run_dir / "workspace").write_text(str(opts.workspace))  # for an offline guard rollback
@@ -119,12 +121,15 @@ def run(opts: RunOptions) -> int:
     outcome = _Outcome()
     try:
         with keepalive(str(mnt)):
-            trio.run(_main, opts, bwrap, daemon, outcome, mnt)
+            trio.run(_main, opts, bwrap, daemon, outcome, mnt, lane_args)
     finally:
         unmount()
         fs.close()
         daemon.cleanup()
         events.close()
+        (stage / "mask-file").unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            (stage / "mask-dir").rmdir()
         with contextlib.suppress(OSError):
             mnt.rmdir()
             if stage != run_dir:
@@ -149,18 +154,20 @@ def _exit_status(outcome: _Outcome) -> int:
     return outcome.status if outcome.status is not None else Exit.SOFTWARE
 
 
-async def _main(opts: RunOptions, bwrap: str | None, daemon: Daemon, outcome: _Outcome, mnt: Path) -> None:
+async def _main(
+    opts: RunOptions, bwrap: str | None, daemon: Daemon, outcome: _Outcome, mnt: Path, lane_args: list[str]
+) -> None:
     async with trio.open_nursery() as services:
         await services.start(daemon.run)
         services.start_soon(pyfuse3.main)
         try:
-            await _run_agent(opts, bwrap, daemon, outcome, mnt)
+            await _run_agent(opts, bwrap, daemon, outcome, mnt, lane_args)
         finally:
             services.cancel_scope.cancel()
 
 
 def _agent_argv(
-    opts: RunOptions, bwrap: str | None, daemon: Daemon, pty: bool, mnt: Path
+    opts: RunOptions, bwrap: str | None, daemon: Daemon, pty: bool, mnt: Path, lane_args: list[str]
 ) -> tuple[list[str], Path, dict[str, str]]:
     env = dict(os.environ)
     # `guard exec` and `guard hook` must be found inside; appended, so the agent's own
@@ -183,7 +190,7 @@ def _agent_argv(
         bwrap=bwrap, mountpoint=str(mnt), workspace=str(opts.workspace), run_dir=str(opts.run_dir),
         agent_socket=str(daemon.agent_path), cwd=str(cwd), command=_agent_command(opts),
         writable=[str(p) for p in _extra_writable(opts)], pty=pty,
-        entry=system_entry() if opts.user is not None else None, files=files,
+        entry=system_entry() if opts.user is not None else None, files=files, over_workspace=lane_args,
     )
     if opts.user is not None:
         pw = pwd.getpwnam(opts.user)
@@ -241,6 +248,37 @@ def _agent_command(opts: RunOptions) -> list[str]:
     return list(opts.command)
 
 
+def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: Path, events: EventLog) -> list[str]:
+    """bubblewrap arguments for the run's fast lanes (see sandbox.lanes), said aloud and
+    recorded as an event; none when the manifest declares none or there is no sandbox."""
+    settings = opts.manifest.sandbox
+    if not (settings.fast_lanes or settings.out_of_scope_fast_lanes):
+        return []
+    if bwrap is None or opts.user is not None:
+        _say("fast lanes are off: they need the sandbox, run as guard's own user (not --no-isolation or --user)")
+        return []
+    lanes = plan_lanes(opts.manifest, opts.workspace)
+    for reason in lanes.skipped:
+        _say(f"fast lane left out: {reason}")
+    if not lanes.trees:
+        return []
+    masked = len(lanes.masked_files) + len(lanes.masked_dirs)
+    _say(f"fast lanes (read natively, read-only, not seen by the breaker): {', '.join(lanes.trees)}"
+         + (f"; {masked} forbidden path(s) masked inside" if masked else ""))
+    events.emit("lanes", "", "allow", trees=lanes.trees, masked=masked)
+    return bwrap_lane_args(lanes, str(opts.workspace.resolve()), str(opts.workspace), *_lane_masks(stage))
+
+
+def _lane_masks(stage: Path) -> tuple[str, str]:
+    """An empty file and an empty directory, both mode 000, to cover forbidden paths in lanes."""
+    mask_file, mask_dir = stage / "mask-file", stage / "mask-dir"
+    mask_file.touch()
+    mask_dir.mkdir(exist_ok=True)
+    mask_file.chmod(0)
+    mask_dir.chmod(0)
+    return str(mask_file), str(mask_dir)
+
+
 def _extra_writable(opts: RunOptions) -> list[Path]:
     out = []
     for entry in opts.manifest.sandbox.writable:
@@ -250,9 +288,11 @@ def _extra_writable(opts: RunOptions) -> list[Path]:
     return out
 
 
-async def _run_agent(opts: RunOptions, bwrap: str | None, daemon: Daemon, outcome: _Outcome, mnt: Path) -> None:
+async def _run_agent(
+    opts: RunOptions, bwrap: str | None, daemon: Daemon, outcome: _Outcome, mnt: Path, lane_args: list[str]
+) -> None:
     use_pty = not opts.ci and os.isatty(0) and os.isatty(1)
-    argv, cwd, env = _agent_argv(opts, bwrap, daemon, use_pty, mnt)
+    argv, cwd, env = _agent_argv(opts, bwrap, daemon, use_pty, mnt, lane_args)
     echo = None if opts.ci else console()
     logs = opts.run_dir
     async with trio.open_nursery() as nursery:
