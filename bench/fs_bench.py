@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "bench"
 DJANGO = "5.2"
 # What libfuse's meson build would put in config.h on this system.
+LANES = "guardfs + fast lanes"
 HP_DEFINES = ["-DHAVE_UTIMENSAT", "-DHAVE_POSIX_FALLOCATE", "-DHAVE_SETXATTR"]
 MANIFEST = """
 [task]
@@ -189,11 +190,58 @@ def sides(hp: Path | None) -> dict[str, Side]:
     return found
 
 
+#: The same tree with the task scoped to src/checkout/ and out-of-scope trees as fast lanes:
+#: django/ is then read natively inside guard run's sandbox.
+LANES_MANIFEST = MANIFEST.replace('allowed = ["**"]', 'allowed = ["src/checkout/**"]') + """
+[sandbox]
+out_of_scope_fast_lanes = true
+"""
+#: The workloads that only read, measured again through fast lanes. (Not the first walks:
+#: planning the lanes walks the tree for forbidden paths, so a lanes run never starts cold.)
+LANE_WORKLOADS = ("git status", "repeated walk: find + grep -r + git status", "stat, warm (2,000 files)",
+                  "open + close (2,000 files)")
+
+
+def lanes_side(fsroot: Path, tar: Path, run: int) -> dict[str, tuple[float, float]]:
+    """The read workloads natively and inside ``guard run`` with fast lanes, on one tree
+    prepared natively as a clone would be (extracted, committed, objects packed):
+    name -> (native s, guarded s)."""
+    ws = fsroot / f"lanes{run}"
+    (ws / "src/checkout").mkdir(parents=True)
+    sh("tar", "-xf", str(tar), cwd=ws)
+    steps = (["init", "-q"], ["config", "gc.auto", "0"], ["add", "-A"], ["commit", "-q", "-m", "tree"], ["gc", "-q"])
+    for step in steps:
+        sh("git", *step, cwd=ws)
+    manifest = fsroot / "lanes.toml"
+    manifest.write_text(LANES_MANIFEST)
+    out: dict[str, tuple[float, float]] = {}
+    for name, drop, fn in workloads(tar):
+        if name not in LANE_WORKLOADS:
+            continue
+        native = time_it(fn, ws, drop)
+        if drop:
+            drop_caches()
+        run_dir = fsroot / f"lanes-run{run}-{len(out)}"
+        subprocess.run([sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest),
+                        "--run-dir", str(run_dir), "--workspace", str(ws), "--",
+                        sys.executable, str(Path(__file__).resolve()), "--inner", name],
+                       check=True, cwd=ws, stdout=subprocess.DEVNULL, env=GIT_ENV)
+        out[name] = (native, float((run_dir / "stdout.log").read_text().split()[-1]))
+    return out
+
+
+def inner(name: str) -> int:
+    """Inside guard run: time one workload in the current directory and print the seconds."""
+    fn = next(fn for n, _, fn in workloads(Path("/nonexistent")) if n == name)
+    print(time_it(fn, Path.cwd(), False))
+    return 0
+
+
 def atomic_writes(where: Path, n: int = 5000) -> None:
     """n small files, each written to a temporary and renamed into place (as editors save)."""
     d = where / "atomic"
     d.mkdir(exist_ok=True)
-    data = b"x" * 2048
+    data = b"x" * 4096
     for i in range(n):
         tmp = d / f".f{i}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -346,7 +394,12 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=ROOT / "bench/results/fs.json")
     parser.add_argument("--only", action="append", default=[], metavar="SIDE",
                         help="measure only this FUSE side (repeatable): guardfs, 'passthrough_hp (C)', ...")
+    parser.add_argument("--control-repeat", type=int, default=1,
+                        help="runs of the control servers (C, plain pyfuse3); they are references, not the subject")
+    parser.add_argument("--inner", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.inner:
+        return inner(args.inner)
     if os.geteuid() != 0:
         print("fs_bench: needs root (loop-mounted ext4, drop_caches)", file=sys.stderr)
         return 69
@@ -364,6 +417,8 @@ def main() -> int:
             with contextlib.ExitStack() as stack:
                 places["native"].mkdir()
                 for i, (name, command) in enumerate(servers.items()):
+                    if name != "guardfs" and run >= args.control_repeat:
+                        continue
                     backing, mnt = fsroot / f"backing{run}.{i}", fsroot / f"mnt{run}.{i}"
                     backing.mkdir()
                     mnt.mkdir()
@@ -372,16 +427,21 @@ def main() -> int:
                 for workload, drop, fn in workloads(tar):
                     for name, where in places.items():
                         results.setdefault(workload, {}).setdefault(name, []).append(time_it(fn, where, drop))
+            for name, (native, guarded) in lanes_side(fsroot, tar, run).items():
+                results[name].setdefault("native, lanes tree", []).append(native)
+                results[name].setdefault(LANES, []).append(guarded)
             print(f"run {run + 1} of {args.repeat} done", file=sys.stderr)
     rows = []
-    names = ["native", *servers]
+    names = ["native", *servers, LANES]
     print(f"\n{'workload':<44} {'native s':>9}" + "".join(f" {n[:22]:>22}" for n in names[1:]))
     for workload, measured in results.items():
-        medians = {name: statistics.median(measured[name]) for name in names}
-        base = medians["native"]
-        rows.append({"workload": workload, "seconds": medians,
-                     "ratio": {name: medians[name] / base for name in names[1:]}})
-        print(f"{workload:<44} {base:>9.3f}" + "".join(f" {medians[n] / base:>21.1f}x" for n in names[1:]))
+        medians = {name: statistics.median(times) for name, times in measured.items()}
+        ratios = {name: medians[name] / medians["native"] for name in names[1:-1] if name in medians}
+        if LANES in medians:  # against native on its own tree, measured beside it
+            ratios[LANES] = medians[LANES] / medians["native, lanes tree"]
+        rows.append({"workload": workload, "seconds": medians, "ratio": ratios})
+        print(f"{workload:<44} {medians['native']:>9.3f}"
+              + "".join(f" {ratios[n]:>21.1f}x" if n in ratios else f" {'-':>22}" for n in names[1:]))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"decision": cost, "files": files, "tree": what, "repeat": args.repeat,
                                      "rows": rows}, indent=2))
