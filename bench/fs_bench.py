@@ -2,14 +2,17 @@
 
 Usage (as root, which the loop-mounted ext4 needs):
 
-    .venv/bin/python bench/fs_bench.py [--repeat 3] [--json bench/results/fs.json]
+    .venv/bin/python bench/fs_bench.py [--repeat 3] [--control-repeat 1] [--json bench/results/fs.json]
 
-Both sides live on one journaled ext4 made in a loop file for this run (the machine's root
-ext4 has no journal and drifts after mass deletes): ``native/`` is used directly,
-``backing/`` through ``guard mount`` at ``mnt/``. The source tree is CPython's standard
-library (>= 2,000 files). Kernel caches are dropped before each "first walk" workload.
-Also measured: the decision's own cost per operation (policy + limits decider), in
-process, without FUSE.
+Every side lives on one journaled ext4 made in a loop file for this run (the machine's root
+ext4 has no journal and drifts after mass deletes): ``native/`` is used directly; each FUSE
+server serves its own ``backing/`` at its own mountpoint: guardfs (``guard mount``), the C
+reference ``passthrough_hp`` (libfuse's example, built from the Debian source), and a plain
+pyfuse3 passthrough with no policy (bench/passthrough.py) with cache timeouts 0 and 60 s.
+The source tree is Django 5.2's ``django/`` package (3,660 files). Kernel caches are dropped
+before each "first walk" workload. The read workloads run again inside ``guard run`` with
+out-of-scope fast lanes. Also measured: the decision's own cost per operation (policy +
+limits decider), in process, without FUSE.
 """
 
 from __future__ import annotations
@@ -222,10 +225,12 @@ def lanes_side(fsroot: Path, tar: Path, run: int) -> dict[str, tuple[float, floa
         if drop:
             drop_caches()
         run_dir = fsroot / f"lanes-run{run}-{len(out)}"
-        subprocess.run([sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest),
-                        "--run-dir", str(run_dir), "--workspace", str(ws), "--",
-                        sys.executable, str(Path(__file__).resolve()), "--inner", name],
-                       check=True, cwd=ws, stdout=subprocess.DEVNULL, env=GIT_ENV)
+        done = subprocess.run([sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest),
+                               "--run-dir", str(run_dir), "--workspace", str(ws), "--",
+                               sys.executable, str(Path(__file__).resolve()), "--inner", name],
+                              check=False, cwd=ws, capture_output=True, text=True, env=GIT_ENV)
+        if done.returncode != 0:
+            raise RuntimeError(f"guard run of {name!r} failed ({done.returncode}):\n{done.stderr}")
         out[name] = (native, float((run_dir / "stdout.log").read_text().split()[-1]))
     return out
 
