@@ -154,9 +154,13 @@ class GuardFS(pyfuse3.Operations):
         state_text: Callable[[], str] | None = None,
         accounting: WriteAccounting | None = None,
         checkpoint_dir: Path | None = None,
+        xattrs: bool = False,
     ) -> None:
         """Serve *backing* under *manifest*; *state_text* renders ``.guard/STATE.md``;
-        with *checkpoint_dir*, pre-images are kept there for rollback."""
+        with *checkpoint_dir*, pre-images are kept there for rollback. Without *xattrs*
+        the mount has no extended attributes: the first call answers ENOSYS and the kernel
+        never asks again (it skips the security.capability lookup it sends before every
+        write), and applications get EOPNOTSUPP, as on a filesystem without them."""
         super().__init__()
         self.backing = Backing(backing)
         self.policy = PathPolicy(manifest)
@@ -168,6 +172,7 @@ class GuardFS(pyfuse3.Operations):
         self.events = events
         self.limits = manifest.limits
         self.timeout = cache_timeout
+        self.xattrs = xattrs
         self._files: dict[int, _File] = {}
         self._dirs: dict[int, _Dir] = {}
         self._next_dir = 1
@@ -1011,6 +1016,8 @@ class GuardFS(pyfuse3.Operations):
     # ----- extended attributes -------------------------------------------------------
 
     def _xattr_target(self, inode: int, mutating: bool, op: str) -> tuple[Entry, Request | None]:
+        if not self.xattrs:
+            raise FUSEError(errno.ENOSYS)  # the kernel then stops sending this request type
         entry = self._entry(inode)
         if entry.virtual:
             if mutating:
@@ -1040,7 +1047,7 @@ class GuardFS(pyfuse3.Operations):
     @_fuse_errors
     async def listxattr(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> Sequence[pyfuse3.XAttrNameT]:
         """List extended attributes."""
-        if self._entry(inode).virtual:
+        if self.xattrs and self._entry(inode).virtual:
             return []
         entry, _ = self._xattr_target(inode, False, "listxattr")
         names = self._xattr_call(entry.path, os.listxattr)

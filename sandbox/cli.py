@@ -87,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
         "--cache-timeout", metavar="S", type=float, default=60.0,
         help="seconds the kernel may cache entries and attributes (default 60)",
     )
+    mount.add_argument("--xattrs", action="store_true",
+                       help="keep extended attributes on the mount (default: off; the kernel then skips the "
+                            "security.capability lookup it sends before every write, and tools get EOPNOTSUPP)")
     mount.add_argument("backing", metavar="BACKING", help="the real workspace directory")
     mount.add_argument("mountpoint", metavar="MOUNTPOINT", help="where the guarded view appears")
 
@@ -112,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                      "goes through it)")
     run.add_argument("--cache-timeout", metavar="S", type=float, default=60.0,
                      help="seconds the kernel may cache entries and attributes (default 60)")
+    run.add_argument("--xattrs", action="store_true",
+                     help="keep extended attributes on the mount (default: off; the kernel then skips the "
+                     "security.capability lookup it sends before every write, and tools get EOPNOTSUPP)")
     run.add_argument("--agent", choices=["claude", "codex", "gemini", "generic"],
                      help="which agent CMD is (default: from its name): sets up its hooks and parses its output")
     run.add_argument("--user", metavar="NAME", help="run the agent as this user (the guard must be root; "
@@ -215,7 +221,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
     events = EventLog(args.events or (run_dir / "events.jsonl" if run_dir else None))
     try:
         if run_dir is None:
-            fs = GuardFS(args.backing, manifest, events, cache_timeout=args.cache_timeout)
+            fs = GuardFS(args.backing, manifest, events, cache_timeout=args.cache_timeout, xattrs=args.xattrs)
             os.umask(0)  # the kernel already applied the caller's umask to every mode we get
             serve(fs, args.mountpoint, on_ready=lambda: log.info("serving %s at %s", args.backing, args.mountpoint))
             return Exit.OK
@@ -242,7 +248,8 @@ def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: Eve
         print(f"guard mount: {err}", file=sys.stderr)
         return Exit.USAGE
     try:
-        fs = GuardFS(args.backing, manifest, events, breaker, args.cache_timeout, daemon.state_text, accounting)
+        fs = GuardFS(args.backing, manifest, events, breaker, args.cache_timeout, daemon.state_text, accounting,
+                     xattrs=args.xattrs)
         os.umask(0)
         print(f"guard: run directory {run_dir} (agent socket {daemon.agent_path})", file=sys.stderr)
         serve(fs, args.mountpoint, companions=[daemon.run])
@@ -287,7 +294,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             return Exit.USAGE
     options = RunOptions(manifest, workspace, run_dir, command, Path(os.path.realpath(os.getcwd())),
                          ci=args.ci, isolation=not args.no_isolation, cache_timeout=args.cache_timeout,
-                         user=args.user, agent=args.agent or detect_agent(command))
+                         xattrs=args.xattrs, user=args.user, agent=args.agent or detect_agent(command))
     try:
         return run(options)
     except IsolationUnavailable as err:

@@ -58,6 +58,7 @@ class RunOptions:
     ci: bool = False
     isolation: bool = True
     cache_timeout: float = 60.0
+    xattrs: bool = False  # extended attributes on the mount
     user: str | None = None  # run the agent as this user (the guard stays root)
     agent: str = "generic"  # claude, codex, gemini: hooks and output parsing
 
@@ -114,7 +115,7 @@ def run(opts: RunOptions) -> int:
                     agent_path=stage / "agent.sock")
     daemon.prepare()
     fs = GuardFS(str(opts.workspace), opts.manifest, events, breaker, opts.cache_timeout,
-                 daemon.state_text, accounting, checkpoint_dir=run_dir / "checkpoint")
+                 daemon.state_text, accounting, checkpoint_dir=run_dir / "checkpoint", xattrs=opts.xattrs)
     fs_box.append(fs)
     os.umask(0)
     unmount = init_mount(fs, str(mnt), mount_options(f"guardfs:{opts.manifest.task.id}"))

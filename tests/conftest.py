@@ -98,10 +98,12 @@ def guarded_mount(
     options: set[str] | None = None,
     count_calls: bool = False,
     run_dir: Path | None = None,
+    xattrs: bool = True,
 ) -> Iterator[Guarded]:
     """Mount ``root/backing`` at ``root/mnt`` and serve it from a thread.
 
     With *run_dir*, the breaker daemon runs in the same loop, as ``guard mount --run-dir``.
+    Extended attributes are on by default here, so that the policy on them is tested.
     """
     if not os.path.exists("/dev/fuse"):
         pytest.skip("/dev/fuse is missing: this test needs a real FUSE mount")
@@ -121,7 +123,7 @@ def guarded_mount(
         daemon.prepare()
         decider, state_text = breaker, daemon.state_text
         companions.append(daemon.run)
-    fs = GuardFS(str(backing), parsed, events, decider, cache_timeout, state_text, accounting)
+    fs = GuardFS(str(backing), parsed, events, decider, cache_timeout, state_text, accounting, xattrs=xattrs)
     g = Guarded(fs, backing, mnt, events_path, daemon=daemon)
     if count_calls:
         _counting(fs, g.calls)

@@ -12,6 +12,7 @@ import stat
 from pathlib import Path
 
 import pyfuse3
+import pytest
 
 from guardfs.fs import UNSUPPORTED, GuardFS
 
@@ -82,3 +83,25 @@ def test_every_implemented_operation_runs_through_the_mount(tmp_path: Path) -> N
     implemented = {n for n in fuse_operations() if getattr(GuardFS, n) is not getattr(pyfuse3.Operations, n)}
     missing = sorted(n for n in implemented if not g.calls.get(n))
     assert not missing, f"implemented but never exercised through the mount: {missing}"
+
+
+def test_without_xattrs_the_kernel_stops_asking(tmp_path: Path) -> None:
+    """The default of guard mount and guard run: one ENOSYS answer per xattr request type,
+    then the kernel answers EOPNOTSUPP itself (also its security.capability lookup before
+    each write, a round trip saved per write)."""
+    (tmp_path / "backing/work").mkdir(parents=True)
+    with guarded_mount(tmp_path, count_calls=True, xattrs=False) as g:
+        f = g.mnt / "work/a.py"
+        for i in range(50):
+            with open(f, "a") as out:
+                out.write(f"x{i} = {i}\n")
+        for _ in range(3):
+            for call in (lambda: os.getxattr(f, "user.k"), lambda: os.setxattr(f, "user.k", b"v"),
+                         lambda: os.listxattr(f), lambda: os.removexattr(f, "user.k")):
+                with pytest.raises(OSError) as caught:
+                    call()
+                assert caught.value.errno == errno.EOPNOTSUPP
+        assert f.read_text().count("\n") == 50
+        for op in ("getxattr", "setxattr", "listxattr", "removexattr"):
+            assert g.calls.get(op, 0) <= 1, (op, g.calls)
+    assert os.listxattr(tmp_path / "backing/work/a.py") == []
