@@ -20,9 +20,10 @@ import tempfile
 import termios
 import time
 import tty
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyfuse3
 import trio
@@ -69,6 +70,20 @@ class _Outcome:
     tripped: State | None = None
     interrupted: int | None = None
     notes: list[str] = field(default_factory=list)
+    tree: ProcessTree | None = None  # the agent's, once started
+
+
+def _halting(events: EventLog, outcome: _Outcome) -> Callable[..., Any]:
+    """The breaker's event sink: records the event and, on a terminal trip, freezes the
+    agent's tree at once, inside the request that tripped, before the agent gets its answer
+    (the watcher then stops it or waits for a human). Polling alone let a fast agent take
+    a few more steps first."""
+    def emit(op: str, path: str, decision: str, **detail: Any) -> dict[str, Any]:
+        event = events.emit(op, path, decision, **detail)
+        if op == "trip" and str(detail.get("state", "")).startswith("OPEN_") and outcome.tree is not None:
+            outcome.tree.freeze()
+        return event
+    return emit
 
 
 def default_run_dir(task_id: str) -> Path:
@@ -107,7 +122,8 @@ def run(opts: RunOptions) -> int:
     events = EventLog(run_dir / "events.jsonl")
     lane_args = _fast_lanes(opts, bwrap, stage, events)
     accounting = WriteAccounting()
-    breaker = Breaker(opts.manifest, accounting, now=time.time, emit=events.emit)
+    outcome = _Outcome()
+    breaker = Breaker(opts.manifest, accounting, now=time.time, emit=_halting(events, outcome))
     (run_dir / "workspace").write_text(str(opts.workspace))  # for an offline guard rollback
     fs_box: list[GuardFS] = []
     daemon = Daemon(breaker, run_dir, str(opts.workspace), events,
@@ -119,7 +135,6 @@ def run(opts: RunOptions) -> int:
     fs_box.append(fs)
     os.umask(0)
     unmount = init_mount(fs, str(mnt), mount_options(f"guardfs:{opts.manifest.task.id}"))
-    outcome = _Outcome()
     try:
         with keepalive(str(mnt)):
             trio.run(_main, opts, bwrap, daemon, outcome, mnt, lane_args)
@@ -317,7 +332,7 @@ async def _run_agent(
             nursery.start_soon(_pump, proc.stdout, Recorder(logs / "stdout.log", echo), daemon,
                                _Lines(opts.agent, daemon))
             nursery.start_soon(_pump, proc.stderr, Recorder(logs / "stderr.log", err_echo), daemon, None)
-        tree = ProcessTree(proc.pid)
+        tree = outcome.tree = ProcessTree(proc.pid)
         async with trio.open_nursery() as watchers:
             watchers.start_soon(_watch, daemon.breaker, tree, opts, outcome)
             watchers.start_soon(_on_signals, tree, outcome)
@@ -423,20 +438,23 @@ def _raw_terminal(active: bool) -> Iterator[None]:
 async def _watch(breaker: Breaker, tree: ProcessTree, opts: RunOptions, outcome: _Outcome) -> None:
     """Freeze the tree on a terminal trip (or stop it in CI); thaw it on approve."""
     stop_on_terminal = opts.ci or opts.manifest.breaker.on_terminal == "stop"
+    announced = False
     while True:
-        await trio.sleep(0.01)  # an agent can do a lot in 50 ms; this check costs nothing
+        await trio.sleep(0.01)  # a trip freezes the tree at once (_halting); this follows up
         state = breaker.state
         if state is State.OPEN_STOPPED or (state.terminal and stop_on_terminal):
             outcome.tripped = state
             _say(f"breaker {state.value}: stopping the agent")
             await tree.terminate()
             return
-        if state.terminal and not tree.frozen:
+        if state.terminal and not announced:
             tree.freeze()
+            announced = True
             _say(f"breaker {state.value}: the agent is frozen. Look at {opts.run_dir}/STATE.md, then "
                  f"'guard approve --run-dir {opts.run_dir}' or 'guard stop --run-dir {opts.run_dir}'")
         elif not state.terminal and tree.frozen:
             tree.thaw()
+            announced = False
             _say("approved: the agent resumes")
 
 

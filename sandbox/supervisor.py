@@ -50,8 +50,8 @@ class ProcessTree:
         procs = self.members()
         for proc in procs:
             try:
+                proc.send_signal(signal.SIGTERM)  # pending while stopped: handled first on resume
                 proc.resume()
-                proc.send_signal(signal.SIGTERM)
             except (psutil.NoSuchProcess, psutil.ZombieProcess):
                 pass
         with trio.move_on_after(grace):

@@ -348,6 +348,27 @@ def test_terminal_trip_freezes_then_rollback_and_approve_resume(tmp_path: Path) 
 
 
 @needs_root
+def test_a_terminal_trip_halts_the_agent_before_its_call_returns(tmp_path: Path) -> None:
+    """The tree is frozen inside the request that trips, so the agent cannot run on (here:
+    print) between the trip and the guard's stop, however fast it is."""
+    ws, manifest = workspace(tmp_path)
+    script = """
+        import sys
+        try:
+            open(".env").read()  # forbidden: a terminal trip by default
+        except OSError as err:
+            print("refused:", err.strerror, flush=True)
+        for i in range(200000):
+            print("ran on", i, flush=True)
+    """
+    run = guard_run(manifest, ws, tmp_path / "run", script, "--ci")
+    assert run.returncode == 75, run.stderr
+    log = (tmp_path / "run/stdout.log").read_text()
+    assert "ran on" not in log and "refused" not in log, log[:300]
+    assert "OPEN_FORBIDDEN_PATH" in run.stderr
+
+
+@needs_root
 def test_guard_exec_quarantines_a_command_and_reports_it(tmp_path: Path) -> None:
     ws, manifest = workspace(tmp_path)
     run_dir = tmp_path / "run"
