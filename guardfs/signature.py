@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 __all__ = ["MAX_ANALYSED_BYTES", "Change", "analyse", "content_hash", "units_of"]
 
@@ -52,8 +55,12 @@ _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _BLOCKS = ("body", "orelse", "finalbody", "handlers", "cases")
 
 
-def _python_units(data: bytes) -> dict[str, tuple[str, ...]] | None:
-    """Map each symbol to its own source lines (excluding nested symbols)."""
+@functools.lru_cache(maxsize=16)
+def _python_units(data: bytes) -> Mapping[str, tuple[str, ...]] | None:
+    """Map each symbol to its own source lines (excluding nested symbols).
+
+    Memoised by content: a write session's old content is the previous session's new one,
+    so each version of a file is parsed once (parsing is most of a session's cost)."""
     try:
         text = data.decode("utf-8")
         tree = ast.parse(text)
@@ -82,7 +89,7 @@ def _python_units(data: bytes) -> dict[str, tuple[str, ...]] | None:
     for line, name in zip(lines, owner, strict=True):
         if line.strip():
             units.setdefault(name, []).append(line.strip())
-    return {name: tuple(body) for name, body in units.items()}
+    return MappingProxyType({name: tuple(body) for name, body in units.items()})
 
 
 def units_of(path: str, data: bytes) -> Change:
