@@ -20,16 +20,20 @@ from dataclasses import dataclass
 from sandbox.landlock import LandlockUnavailable, abi_version
 
 __all__ = [
-    "SANDBOX_RUN_DIR", "Isolation", "IsolationUnavailable", "bwrap_argv", "private_mount_namespace", "probe",
-    "system_entry",
+    "SANDBOX_RUN_DIR", "Isolation", "IsolationUnavailable", "bind_read_only", "bwrap_argv",
+    "private_mount_namespace", "probe", "system_entry", "unbind",
 ]
 
 #: Where the agent finds the guard inside the sandbox (GUARD_RUN_DIR).
 SANDBOX_RUN_DIR = "/tmp/guard"
 
 _CLONE_NEWNS = 0x00020000
+_MS_RDONLY = 1
+_MS_REMOUNT = 32
+_MS_BIND = 4096
 _MS_REC = 0x4000
 _MS_PRIVATE = 1 << 18
+_MNT_DETACH = 2
 
 
 class IsolationUnavailable(Exception):
@@ -73,6 +77,20 @@ def private_mount_namespace() -> bool:
         err = ctypes.get_errno()
         raise OSError(err, f"making / private: {os.strerror(err)}")
     return True
+
+
+def bind_read_only(source: str, target: str) -> None:
+    """Bind *source* at *target*, read-only, in this process's (private) mount namespace."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for src, flags in ((source.encode(), _MS_BIND), (None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY)):
+        if libc.mount(src, target.encode(), None, flags, None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"binding {source} at {target}: {os.strerror(err)}")
+
+
+def unbind(target: str) -> None:
+    """Detach whatever is mounted at *target* (nothing if nothing is)."""
+    ctypes.CDLL(None, use_errno=True).umount2(target.encode(), _MNT_DETACH)
 
 
 def _keep_visible(covered: Sequence[str]) -> list[str]:

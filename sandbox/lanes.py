@@ -18,6 +18,7 @@ would be judged by the name it is reached under, which is the same rule).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from pathlib import Path
 from guardfs.manifest import Manifest
 from guardfs.policy import GUARD_DIR, PathPolicy, Scope
 
-__all__ = ["MAX_MASKS", "Lanes", "bwrap_lane_args", "plan_lanes"]
+__all__ = ["MAX_MASKS", "LaneStage", "Lanes", "plan_lanes"]
 
 #: More forbidden paths than this inside one lane and it is served through FUSE instead
 #: (each mask is a mount in the sandbox).
@@ -154,14 +155,52 @@ def _masks(root: Path, tree: str, policy: PathPolicy, limit: int) -> tuple[list[
     return files, dirs
 
 
-def bwrap_lane_args(lanes: Lanes, real: str, seen_as: str, mask_file: str, mask_dir: str) -> list[str]:
-    """bubblewrap arguments: each lane of the real workspace *real* bound read-only at its
-    place under *seen_as*, then the masks (an empty mode-000 file or directory) over it."""
-    argv: list[str] = []
-    for tree in lanes.trees:
-        argv += ["--ro-bind", f"{real}/{tree}", f"{seen_as}/{tree}"]
-    for path in lanes.masked_dirs:
-        argv += ["--ro-bind", mask_dir, f"{seen_as}/{path}"]
-    for path in lanes.masked_files:
-        argv += ["--ro-bind", mask_file, f"{seen_as}/{path}"]
-    return argv
+class LaneStage:
+    """What bubblewrap binds from: the masks (an empty file and an empty directory, both
+    mode 000) and, for an agent of another user who may not traverse the path to the real
+    workspace, each lane bound read-only into the staging directory first (in the guard's
+    private mount namespace)."""
+
+    def __init__(self, stage: Path) -> None:
+        self.stage = stage
+        self.mask_file, self.mask_dir = stage / "mask-file", stage / "mask-dir"
+        self.staged: list[Path] = []
+
+    def bwrap_args(self, lanes: Lanes, real: Path, seen_as: str, staged: bool) -> list[str]:
+        """bubblewrap arguments: each lane of the real workspace *real* bound read-only at
+        its place under *seen_as*, then the masks over the forbidden paths inside it."""
+        from sandbox.isolation import bind_read_only
+
+        self.mask_file.touch()
+        self.mask_dir.mkdir(exist_ok=True)
+        self.mask_file.chmod(0)
+        self.mask_dir.chmod(0)
+        argv: list[str] = []
+        for i, tree in enumerate(lanes.trees):
+            source = real / tree
+            if staged:
+                target = self.stage / "lanes" / str(i)
+                target.mkdir(parents=True)
+                self.staged.append(target)
+                bind_read_only(str(source), str(target))
+                source = target
+            argv += ["--ro-bind", str(source), f"{seen_as}/{tree}"]
+        for path in lanes.masked_dirs:
+            argv += ["--ro-bind", str(self.mask_dir), f"{seen_as}/{path}"]
+        for path in lanes.masked_files:
+            argv += ["--ro-bind", str(self.mask_file), f"{seen_as}/{path}"]
+        return argv
+
+    def cleanup(self) -> None:
+        """Remove the masks and the staged lanes (unmounted first)."""
+        from sandbox.isolation import unbind
+
+        for target in self.staged:
+            unbind(str(target))
+            with contextlib.suppress(OSError):
+                target.rmdir()
+        with contextlib.suppress(OSError):
+            (self.stage / "lanes").rmdir()
+        self.mask_file.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.mask_dir.rmdir()

@@ -40,7 +40,7 @@ from sandbox.breaker import Breaker, State
 from sandbox.daemon import Daemon
 from sandbox.exitcodes import Exit
 from sandbox.isolation import bwrap_argv, private_mount_namespace, probe, system_entry
-from sandbox.lanes import bwrap_lane_args, plan_lanes
+from sandbox.lanes import LaneStage, plan_lanes
 from sandbox.quarantine import Recorder, console, digest
 from sandbox.supervisor import ProcessTree
 
@@ -120,7 +120,8 @@ def run(opts: RunOptions) -> int:
     private = private_mount_namespace()  # before trio starts any thread
     _say(f"run directory {run_dir}")
     events = EventLog(run_dir / "events.jsonl")
-    lane_args = _fast_lanes(opts, bwrap, stage, events)
+    lane_stage = LaneStage(stage)
+    lane_args = _fast_lanes(opts, bwrap, lane_stage, events)
     accounting = WriteAccounting()
     outcome = _Outcome()
     breaker = Breaker(opts.manifest, accounting, now=time.time, emit=_halting(events, outcome))
@@ -143,9 +144,7 @@ def run(opts: RunOptions) -> int:
         fs.close()
         daemon.cleanup()
         events.close()
-        (stage / "mask-file").unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            (stage / "mask-dir").rmdir()
+        lane_stage.cleanup()
         with contextlib.suppress(OSError):
             mnt.rmdir()
             if stage != run_dir:
@@ -264,14 +263,14 @@ def _agent_command(opts: RunOptions) -> list[str]:
     return list(opts.command)
 
 
-def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: Path, events: EventLog) -> list[str]:
+def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: EventLog) -> list[str]:
     """bubblewrap arguments for the run's fast lanes (see sandbox.lanes), said aloud and
     recorded as an event; none when the manifest declares none or there is no sandbox."""
     settings = opts.manifest.sandbox
     if not (settings.fast_lanes or settings.out_of_scope_fast_lanes):
         return []
-    if bwrap is None or opts.user is not None:
-        _say("fast lanes are off: they need the sandbox, run as guard's own user (not --no-isolation or --user)")
+    if bwrap is None:
+        _say("fast lanes are off: they need the sandbox (not --no-isolation)")
         return []
     lanes = plan_lanes(opts.manifest, opts.workspace)
     for reason in lanes.skipped:
@@ -282,17 +281,7 @@ def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: Path, events: EventL
     _say(f"fast lanes (read natively, read-only, not seen by the breaker): {', '.join(lanes.trees)}"
          + (f"; {masked} forbidden path(s) masked inside" if masked else ""))
     events.emit("lanes", "", "allow", trees=lanes.trees, masked=masked)
-    return bwrap_lane_args(lanes, str(opts.workspace.resolve()), str(opts.workspace), *_lane_masks(stage))
-
-
-def _lane_masks(stage: Path) -> tuple[str, str]:
-    """An empty file and an empty directory, both mode 000, to cover forbidden paths in lanes."""
-    mask_file, mask_dir = stage / "mask-file", stage / "mask-dir"
-    mask_file.touch()
-    mask_dir.mkdir(exist_ok=True)
-    mask_file.chmod(0)
-    mask_dir.chmod(0)
-    return str(mask_file), str(mask_dir)
+    return stage.bwrap_args(lanes, opts.workspace.resolve(), str(opts.workspace), staged=opts.user is not None)
 
 
 def _extra_writable(opts: RunOptions) -> list[Path]:

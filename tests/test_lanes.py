@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -171,3 +173,27 @@ def test_lanes_need_the_sandbox(tmp_path: Path) -> None:
     assert "fast lanes are off" in run.stderr
     assert (tmp_path / "run/stdout.log").read_text() == "ok\n"
     assert os.path.exists(ws / "docs/.env.docs")  # planning touches nothing
+
+
+@needs_root
+def test_lanes_for_an_agent_of_another_user(tmp_path: Path) -> None:
+    """--user (the devcontainer case): the lanes are staged by the guard, since the agent's
+    user cannot traverse the path to the real workspace (a root-only pytest directory)."""
+    ws = tree(tmp_path / "ws")
+    subprocess.run(["chown", "-R", "65534:65534", str(ws)], check=True)
+    manifest = tmp_path / "lanes.toml"
+    manifest.write_text(LANES.replace("[sandbox]", '[breaker]\nrecoverable = ["forbidden_path"]\n[sandbox]'))
+    script = ("id -u; stat -f -c %T docs; cat docs/api/index.md; cat docs/.env.docs || echo masked; "
+              "echo x >> src/auth/login.py || echo read-only")
+    run = subprocess.run(
+        [sys.executable, "-m", "sandbox", "run", "--ci", "--user", "nobody", "--manifest", str(manifest),
+         "--run-dir", str(tmp_path / "run"), "--", "sh", "-c", script],
+        cwd=ws, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )
+    assert run.returncode == 0, run.stderr
+    log = (tmp_path / "run/stdout.log").read_text().splitlines()
+    assert log[0] == "65534"
+    assert not log[1].startswith("fuse")
+    assert log[2:] == ["# API", "masked", "read-only"]
+    assert (ws / "src/auth/login.py").read_text() == "def login():\n    pass\n"
+    assert not (tmp_path / "run/lanes").exists()
