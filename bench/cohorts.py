@@ -264,9 +264,10 @@ def svg(results: list[Result], summary: dict[str, Any], path: Path) -> None:
             + f'<text x="{x0:.1f}" y="{height - 12}" font-size="11">saved {s["tokens_saved_pct"]:.1f}% of tokens; '
             f'out of scope landed {s["out_of_scope_landed_guarded"]} vs {s["out_of_scope_landed_unguarded"]}</text>'
         )
-    legend = ('<text x="40" y="252" font-size="11" fill="#2e86de">blue: guarded</text>'
-              '<text x="140" y="252" font-size="11" fill="#7f8c8d">grey: unguarded (mean tokens per step)</text>')
-    path.write_text(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + 10}" '
+    legend = (f'<text x="40" y="{height + 14}" font-size="11" fill="#2e86de">blue: guarded</text>'
+              f'<text x="140" y="{height + 14}" font-size="11" fill="#7f8c8d">grey: unguarded '
+              '(mean tokens per step)</text>')
+    path.write_text(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + 24}" '
                     f'font-family="sans-serif">{"".join(panels)}{legend}</svg>\n')
 
 
