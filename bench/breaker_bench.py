@@ -17,10 +17,9 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-from common import daemon_in_thread
+from common import daemon_in_thread, percentiles, timed
 
 from guardfs.accounting import WriteAccounting
 from guardfs.decision import Request
@@ -45,23 +44,6 @@ max_tokens_without_progress = "unlimited"
 max_steps = "unlimited"
 max_identical_calls = "unlimited"
 """
-
-
-def percentiles(samples: list[int]) -> dict[str, float]:
-    """Median and p99 of nanosecond samples, in microseconds."""
-    samples.sort()
-    return {"median_us": samples[len(samples) // 2] / 1000, "p99_us": samples[int(len(samples) * 0.99)] / 1000}
-
-
-def timed(fn: Callable[[int], object], n: int) -> dict[str, float]:
-    """Time each of *n* calls of fn(i)."""
-    clock = time.perf_counter_ns
-    out = []
-    for i in range(n):
-        t0 = clock()
-        fn(i)
-        out.append(clock() - t0)
-    return percentiles(out)
 
 
 def in_process(n: int) -> dict[str, dict[str, float]]:

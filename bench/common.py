@@ -5,6 +5,7 @@ from __future__ import annotations
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -15,7 +16,7 @@ from guardfs.manifest import parse_manifest
 from sandbox.breaker import Breaker
 from sandbox.daemon import Daemon
 
-__all__ = ["daemon_in_thread"]
+__all__ = ["daemon_in_thread", "percentiles", "timed"]
 
 
 def daemon_in_thread(manifest: str) -> Daemon:
@@ -36,3 +37,20 @@ def daemon_in_thread(manifest: str) -> Daemon:
     if not ready.wait(10):
         raise RuntimeError("the daemon did not start")
     return daemon
+
+
+def percentiles(samples: list[int]) -> dict[str, float]:
+    """Median and p99 of nanosecond samples, in microseconds."""
+    samples.sort()
+    return {"median_us": samples[len(samples) // 2] / 1000, "p99_us": samples[int(len(samples) * 0.99)] / 1000}
+
+
+def timed(fn: Callable[[int], object], n: int) -> dict[str, float]:
+    """Time each of *n* calls of fn(i)."""
+    clock = time.perf_counter_ns
+    out = []
+    for i in range(n):
+        t0 = clock()
+        fn(i)
+        out.append(clock() - t0)
+    return percentiles(out)

@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from common import timed
+
 from guardfs.decision import Request
 from guardfs.events import EventLog
 from guardfs.manifest import parse_manifest
@@ -377,19 +379,9 @@ def decision_cost(samples: int = 200_000) -> dict[str, float]:
         where = fs.policy.classify("src/checkout/tax.py", False)
         request = Request("write", "src/checkout/tax.py", where, True)
         check = fs._check  # the exact call every judged operation makes
-        clock = time.perf_counter_ns
-        times = []
-        for _ in range(samples):
-            t0 = clock()
-            check(request)
-            times.append(clock() - t0)
-        times.sort()
+        cost = timed(lambda _: check(request), samples)
         fs.close()
-    return {
-        "median_us": times[len(times) // 2] / 1000,
-        "p99_us": times[int(len(times) * 0.99)] / 1000,
-        "samples": samples,
-    }
+    return cost | {"samples": samples}
 
 
 def main() -> int:
