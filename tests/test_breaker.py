@@ -12,15 +12,9 @@ from guardfs.decision import Request, Verdict, policy_verdict
 from guardfs.manifest import parse_manifest
 from sandbox.breaker import Breaker, Reply, State
 
-from .helpers import state_of
+from .helpers import FIX_TAX, state_of
 
-MANIFEST = """
-[task]
-id = "fix-tax"
-goal = "Fix the tax rounding helper"
-[paths]
-allowed = ["src/checkout/"]
-forbidden = [".env*"]
+MANIFEST = FIX_TAX + """
 [limits]
 max_files = 2
 max_rewrites = 2

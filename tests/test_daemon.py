@@ -25,15 +25,9 @@ from sandbox.client import AsyncGuardClient, GuardClientError
 from sandbox.daemon import Daemon, RunDirBusy
 from sandbox.protocol import MAX_LINE
 
-from .helpers import state_of
+from .helpers import FIX_TAX, state_of
 
-MANIFEST = """
-[task]
-id = "fix-tax"
-goal = "Fix the tax rounding helper"
-[paths]
-allowed = ["src/checkout/"]
-forbidden = [".env*"]
+MANIFEST = FIX_TAX + """
 [limits]
 max_window_tokens = 30000
 max_tokens_without_progress = 20000
