@@ -26,6 +26,7 @@ from pathlib import Path
 
 from guardfs.manifest import Manifest
 from guardfs.policy import GUARD_DIR, PathPolicy, Scope
+from sandbox.isolation import bind_read_only, unbind
 
 __all__ = ["MAX_MASKS", "LaneStage", "Lanes", "plan_lanes"]
 
@@ -169,8 +170,6 @@ class LaneStage:
     def bwrap_args(self, lanes: Lanes, real: Path, seen_as: str, staged: bool) -> list[str]:
         """bubblewrap arguments: each lane of the real workspace *real* bound read-only at
         its place under *seen_as*, then the masks over the forbidden paths inside it."""
-        from sandbox.isolation import bind_read_only
-
         self.mask_file.touch()
         self.mask_dir.mkdir(exist_ok=True)
         self.mask_file.chmod(0)
@@ -193,8 +192,6 @@ class LaneStage:
 
     def cleanup(self) -> None:
         """Remove the masks and the staged lanes (unmounted first)."""
-        from sandbox.isolation import unbind
-
         for target in self.staged:
             unbind(str(target))
             with contextlib.suppress(OSError):

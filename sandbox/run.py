@@ -80,7 +80,7 @@ def _halting(events: EventLog, outcome: _Outcome) -> Callable[..., Any]:
     a few more steps first."""
     def emit(op: str, path: str, decision: str, **detail: Any) -> dict[str, Any]:
         event = events.emit(op, path, decision, **detail)
-        if op == "trip" and str(detail.get("state", "")).startswith("OPEN_") and outcome.tree is not None:
+        if op == "trip" and State(detail["state"]).terminal and outcome.tree is not None:
             outcome.tree.freeze()
         return event
     return emit
@@ -272,7 +272,13 @@ def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: E
     if bwrap is None:
         _say("fast lanes are off: they need the sandbox (not --no-isolation)")
         return []
-    lanes = plan_lanes(opts.manifest, opts.workspace)
+    try:
+        lanes = plan_lanes(opts.manifest, opts.workspace)
+        argv = stage.bwrap_args(lanes, opts.workspace.resolve(), str(opts.workspace), staged=opts.user is not None)
+    except OSError as err:  # a speed-up only: without it everything goes through the mount
+        stage.cleanup()
+        _say(f"fast lanes are off: {err}; every path goes through the mount")
+        return []
     for reason in lanes.skipped:
         _say(f"fast lane left out: {reason}")
     if not lanes.trees:
@@ -281,7 +287,7 @@ def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: E
     _say(f"fast lanes (read natively, read-only, not seen by the breaker): {', '.join(lanes.trees)}"
          + (f"; {masked} forbidden path(s) masked inside" if masked else ""))
     events.emit("lanes", "", "allow", trees=lanes.trees, masked=masked)
-    return stage.bwrap_args(lanes, opts.workspace.resolve(), str(opts.workspace), staged=opts.user is not None)
+    return argv
 
 
 def _extra_writable(opts: RunOptions) -> list[Path]:

@@ -12,8 +12,11 @@ from pathlib import Path
 import pytest
 
 from guardfs.errors import ManifestError
+from guardfs.events import EventLog
 from guardfs.manifest import parse_manifest
-from sandbox.lanes import plan_lanes
+from sandbox import lanes
+from sandbox.lanes import LaneStage, plan_lanes
+from sandbox.run import RunOptions, _fast_lanes
 
 from .helpers import snapshot
 from .test_run import guard_run, needs_root
@@ -197,3 +200,24 @@ def test_lanes_for_an_agent_of_another_user(tmp_path: Path) -> None:
     assert log[2:] == ["# API", "masked", "read-only"]
     assert (ws / "src/auth/login.py").read_text() == "def login():\n    pass\n"
     assert not (tmp_path / "run/lanes").exists()
+
+
+def test_a_lane_that_cannot_be_staged_falls_back_to_the_mount(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Lanes are a speed-up only: if staging one fails (injected: a bind refused), the run
+    goes on with every path through the mount, says so, and leaves nothing staged."""
+    def refused(source: str, target: str) -> None:
+        raise OSError(1, f"binding {source} at {target}: Operation not permitted")
+
+    monkeypatch.setattr(lanes, "bind_read_only", refused)
+    ws = tree(tmp_path / "ws")
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    opts = RunOptions(parse_manifest(LANES), ws, tmp_path / "run", ["true"], ws, user="nobody")
+    events = EventLog(tmp_path / "events.jsonl")
+    assert _fast_lanes(opts, "/usr/bin/bwrap", LaneStage(stage), events) == []
+    events.close()
+    assert "fast lanes are off: [Errno 1] binding" in capsys.readouterr().err
+    assert list(stage.iterdir()) == []
+    assert "lanes" not in (tmp_path / "events.jsonl").read_text()
