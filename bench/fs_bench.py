@@ -112,6 +112,9 @@ def passthrough_hp(cache: Path) -> Path | None:
     binary = cache / "passthrough_hp"
     if binary.exists():
         return binary
+    if shutil.which("g++") is None:
+        print("fs_bench: no passthrough_hp column: it is C++; install g++ (apt-get install g++)", file=sys.stderr)
+        return None
     version = subprocess.run(["pkg-config", "--modversion", "fuse3"], check=False, capture_output=True,
                              text=True).stdout.strip()
     url = f"http://deb.debian.org/debian/pool/main/f/fuse3/fuse3_{version}.orig.tar.xz"
