@@ -22,40 +22,42 @@ from pathlib import Path
 from sandbox.agents import fasthook
 from sandbox.agents.fasthook import MUTATING_TOOLS, run_hook
 
-__all__ = ["MUTATING_TOOLS", "compiled_helper", "hook_command", "run_hook"]
+__all__ = ["MUTATING_TOOLS", "compiled_helper", "helper_cache", "hook_command", "run_hook"]
 
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("guard_hook.c")
 
 
+def helper_cache() -> Path:
+    """Where the compiled hook helper is kept: the user's cache directory, never the package's
+    own folder (read-only in a system install, and shared by every user of it)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "guardfs"
+
+
 @functools.cache
 def compiled_helper() -> Path | None:
-    """The compiled hook helper, built on first use; None where it cannot be built.
-
-    Kept next to the package (always visible inside the sandbox), else in the user's cache.
-    """
+    """The compiled hook helper, built on first use; None where it cannot be built."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
     digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "guardfs"
-    for folder in (_SOURCE.parent / "_build", cache):
-        binary = folder / f"guard-hook-{digest}"
-        if binary.exists():
-            return binary
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp = folder / f".guard-hook-{digest}.{os.getpid()}"
-            built = subprocess.run([cc, "-O2", "-o", str(tmp), str(_SOURCE)], capture_output=True, text=True,
-                                   timeout=120, check=False)
-            if built.returncode != 0:
-                log.warning("cannot build the hook helper: %s", built.stderr.strip()[-300:])
-                return None
-            os.replace(tmp, binary)
-            return binary
-        except OSError as err:
-            log.info("cannot build the hook helper in %s: %s", folder, err)
-    return None
+    folder = helper_cache()
+    binary = folder / f"guard-hook-{digest}"
+    if binary.exists():
+        return binary
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".guard-hook-{digest}.{os.getpid()}"
+        built = subprocess.run([cc, "-O2", "-o", str(tmp), str(_SOURCE)], capture_output=True, text=True,
+                               timeout=120, check=False)
+        if built.returncode != 0:
+            log.warning("cannot build the hook helper: %s", built.stderr.strip()[-300:])
+            return None
+        os.replace(tmp, binary)  # atomic: concurrent runs never see a half-written helper
+    except OSError as err:
+        log.warning("cannot build the hook helper in %s: %s (agents get the Python hook)", folder, err)
+        return None
+    return binary
 
 
 def hook_command(agent: str, compiled: bool = True) -> str:
