@@ -13,12 +13,14 @@ cd "$(dirname "$0")"
 VENV=${GUARDFS_VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 APT_PACKAGES=(fuse3 libfuse3-dev pkg-config git gcc bubblewrap util-linux)
+# Only the tests need these: headless Chromium opens the page guard report writes.
+TEST_APT_PACKAGES=(chromium)
 
 say() { printf 'dev.sh: %s\n' "$*" >&2; }
 
 install_system_packages() {
     local missing=()
-    for pkg in "${APT_PACKAGES[@]}"; do
+    for pkg in "$@"; do
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
     done
     if ! "$PYTHON" -c 'import venv, ensurepip' 2>/dev/null; then
@@ -50,7 +52,7 @@ install_venv() {
 }
 
 setup() {
-    install_system_packages
+    install_system_packages "$@"
     install_venv
     if [ ! -e /dev/fuse ]; then
         say "/dev/fuse is missing: load the fuse module (modprobe fuse), or give the container --device /dev/fuse --cap-add SYS_ADMIN"
@@ -60,11 +62,11 @@ setup() {
 
 case "${1:-}" in
     demo)
-        setup
+        setup "${APT_PACKAGES[@]}"
         exec "$VENV/bin/guard" demo
         ;;
     test)
-        setup
+        setup "${APT_PACKAGES[@]}" "${TEST_APT_PACKAGES[@]}"
         shift
         "$VENV/bin/ruff" check guardfs sandbox tests bench
         "$VENV/bin/mypy" --strict

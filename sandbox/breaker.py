@@ -266,6 +266,7 @@ class Breaker:
         c.since_progress += tokens
         c.window.append(tokens)  # a deque with maxlen=window_steps
         self.version += 1
+        self._emit("step", "", "allow", step=c.steps, tokens=tokens, tokens_cached=tokens_cached, tool=tool)
         warning = ""
         if tool is not None:
             reply = self._call(tool, args)
@@ -491,7 +492,8 @@ class Breaker:
         trip = Trip(rule, self.state, self._c.steps, self.now(), reason)
         self.trips.append(trip)
         self.last_feedback = self.feedback(trip)
-        self._emit("trip", "", "deny", rule=rule.value, state=self.state.value, step=trip.step, reason=reason)
+        self._emit("trip", "", "deny", rule=rule.value, state=self.state.value, step=trip.step, reason=reason,
+                   feedback=self.last_feedback)
         self._changed()
         rule_key = refused.rule if refused is not None else _limit_rule(rule)
         pattern = refused.pattern if refused is not None else None

@@ -174,6 +174,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     hook.add_argument("agent", choices=["claude", "codex", "gemini"], help="whose hook format")
 
+    report = sub.add_parser(
+        "report",
+        help="an HTML page of a run: timeline of steps and tokens, denials, trips, files, logs",
+        description="Write one self-contained HTML page (no network, no script) for the run in RUN_DIR: the "
+                    "timeline of steps with tokens per step, every denial and trip with the feedback the agent "
+                    "got, the files mutated with their rewrite counts, and links to the quarantined logs.",
+    )
+    report.add_argument("--run-dir", required=True, help="the run directory guard run printed")
+    report.add_argument("--html", metavar="FILE",
+                        help="where to write the page (default: RUN_DIR/report.html); - for stdout")
+
     sub.add_parser(
         "demo",
         help="play a drifting agent against a real guarded mount of a sample repository",
@@ -303,6 +314,28 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return Exit.UNAVAILABLE
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from sandbox.report import ReportError, load_run, render_html
+
+    run_dir = Path(args.run_dir)
+    try:
+        page = render_html(load_run(run_dir))
+    except ReportError as err:
+        print(f"guard report: {err}", file=sys.stderr)
+        return Exit.USAGE
+    if args.html == "-":
+        sys.stdout.write(page)
+        return Exit.OK
+    out = Path(args.html) if args.html else run_dir / "report.html"
+    try:
+        out.write_text(page, encoding="utf-8")
+    except OSError as err:
+        print(f"guard report: cannot write {out}: {err.strerror or err}", file=sys.stderr)
+        return Exit.CANTCREAT
+    print(out)
+    return Exit.OK
+
+
 def _cmd_rollback_offline(run_dir: Path) -> int:
     from guardfs.checkpoint import rollback_offline
 
@@ -430,6 +463,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_exec(command, live=args.live)
         if args.verb == "feed":
             return _cmd_feed(args)
+        if args.verb == "report":
+            return _cmd_report(args)
         if args.verb == "hook":
             from sandbox.agents.hooks import run_hook
 

@@ -15,4 +15,5 @@ class Exit(enum.IntEnum):
     DATAERR = 65  # EX_DATAERR: invalid manifest
     UNAVAILABLE = 69  # EX_UNAVAILABLE: no FUSE / libfuse / isolation
     SOFTWARE = 70  # EX_SOFTWARE: internal error
+    CANTCREAT = 73  # EX_CANTCREAT: an output file cannot be written
     TRIPPED = 75  # EX_TEMPFAIL: a breaker trip stopped the agent

@@ -481,4 +481,17 @@ def _summary(opts: RunOptions, breaker: Breaker, accounting: WriteAccounting, ev
         what = f"agent exited with status {outcome.status}" if outcome.tripped is None else \
             f"agent stopped by the breaker ({outcome.tripped.value})"
         print(digest(what, logs), flush=True)
+        _github(opts.run_dir, status)
     _say("\n".join(lines))
+
+
+def _github(run_dir: Path, status: int) -> None:
+    """GitHub Actions' conventions for a --ci run: annotations and the job summary."""
+    if os.environ.get("GITHUB_ACTIONS") != "true":
+        return
+    from sandbox.report import ReportError, load_run, write_github
+
+    try:
+        write_github(load_run(run_dir), status, sys.stdout)
+    except (ReportError, OSError) as err:  # the run's own outcome stands; say what is missing
+        _say(f"no GitHub annotations or job summary: {err}")
