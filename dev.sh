@@ -6,7 +6,7 @@
 #
 # What it installs: the Debian packages fuse3, libfuse3-dev, pkg-config, git and
 # python3-venv when they are absent (as root through apt-get; otherwise it says what to
-# install), and a virtualenv in .venv with guardfs and its test extras.
+# install), and a virtualenv in .venv with guardfs and its test and bench extras.
 set -euo pipefail
 
 cd "$(dirname "$0")"
@@ -47,7 +47,7 @@ install_venv() {
     say "creating the virtualenv in $VENV"
     "$PYTHON" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -e '.[test]'
+    "$VENV/bin/python" -m pip install -q -e '.[test,bench]'
     echo "$want" > "$stamp"
 }
 

@@ -12,7 +12,7 @@ Four cohorts of trajectories, each up to 35 steps of 1,850 tokens:
 Each trajectory is a real process doing real file operations and reporting its tokens over
 the agent socket, run once under ``guard run --ci`` (a fresh copy of the workspace, its own
 mount and daemon, as an agent task is run) and once on a plain copy. Out-of-scope writes
-are counted on disk afterwards. Prints a table, writes JSON and an SVG picture.
+are counted on disk afterwards. Prints a table, writes JSON and a PNG picture (matplotlib).
 """
 
 from __future__ import annotations
@@ -234,50 +234,63 @@ def summarise(results: list[Result]) -> dict[str, Any]:
     return out
 
 
-def svg(results: list[Result], summary: dict[str, Any], path: Path) -> None:
-    """Tokens per step, guarded against unguarded, per cohort, with the median first trip."""
-    width, height, pad = 980, 260, 40
-    panels = []
-    for i, cohort in enumerate(COHORTS):
-        x0 = pad + i * (width - pad) / 4
-        w = (width - pad) / 4 - 20
-        def series(guarded: bool, cohort: str = cohort) -> list[float]:
-            runs = [r for r in results if r.cohort == cohort and r.guarded is guarded]
-            return [sum(r.tokens_per_step[s] for r in runs if len(r.tokens_per_step) > s) / max(len(runs), 1)
-                    for s in range(STEPS)]
-        def line(values: list[float], color: str, x0: float = x0, w: float = w) -> str:
-            pts = " ".join(f"{x0 + w * s / (STEPS - 1):.1f},{height - pad - (height - 2 * pad) * v / 9200:.1f}"
-                           for s, v in enumerate(values))
-            return f'<polyline fill="none" stroke="{color}" stroke-width="2" points="{pts}"/>'
-        trip = summary[cohort]["first_trip_step_median"]
-        marker = ""
-        if trip is not None:
-            tx = x0 + w * (trip - 1) / (STEPS - 1)
-            marker = (f'<line x1="{tx:.1f}" y1="{pad}" x2="{tx:.1f}" y2="{height - pad}" stroke="#c0392b" '
-                      f'stroke-dasharray="4 3"/><text x="{tx + 3:.1f}" y="{pad + 12}" font-size="11" '
-                      f'fill="#c0392b">trip (median step {trip:g})</text>')
+def mean_tokens(trajectories: list[dict[str, Any]], cohort: str, guarded: bool) -> list[float]:
+    """Mean tokens at each step over a cohort's trajectories (a stopped run counts 0 after it ends)."""
+    runs = [t for t in trajectories if t["cohort"] == cohort and t["guarded"] is guarded]
+    return [sum(t["tokens_per_step"][s] for t in runs if len(t["tokens_per_step"]) > s) / max(len(runs), 1)
+            for s in range(STEPS)]
+
+
+def plot(trajectories: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> bool:
+    """Tokens per step, guarded against unguarded, one panel per cohort, the median first trip
+    marked; a PNG drawn with matplotlib. False (and a word why) when matplotlib is missing."""
+    try:
+        import matplotlib as mpl
+        mpl.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("cohorts: no picture: matplotlib is not installed (pip install '.[bench]')", file=sys.stderr)
+        return False
+    steps = list(range(1, STEPS + 1))
+    fig, axes = plt.subplots(1, len(COHORTS), figsize=(15, 4.2), sharey=True, layout="constrained")
+    for ax, (cohort, title) in zip(axes, COHORTS.items(), strict=True):
         s = summary[cohort]
-        panels.append(
-            f'<text x="{x0:.1f}" y="22" font-size="13" font-weight="bold">{cohort}: {COHORTS[cohort]}</text>'
-            f'<rect x="{x0:.1f}" y="{pad}" width="{w:.1f}" height="{height - 2 * pad}" fill="#fafafa" stroke="#ddd"/>'
-            + line(series(False), "#95a5a6") + line(series(True), "#2e86de") + marker
-            + f'<text x="{x0:.1f}" y="{height - 12}" font-size="11">saved {s["tokens_saved_pct"]:.1f}% of tokens; '
-            f'out of scope landed {s["out_of_scope_landed_guarded"]} vs {s["out_of_scope_landed_unguarded"]}</text>'
-        )
-    legend = (f'<text x="40" y="{height + 14}" font-size="11" fill="#2e86de">blue: guarded</text>'
-              f'<text x="140" y="{height + 14}" font-size="11" fill="#7f8c8d">grey: unguarded '
-              '(mean tokens per step)</text>')
-    path.write_text(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + 24}" '
-                    f'font-family="sans-serif">{"".join(panels)}{legend}</svg>\n')
+        ax.plot(steps, mean_tokens(trajectories, cohort, False), color="#7f8c8d", lw=2, label="unguarded")
+        ax.plot(steps, mean_tokens(trajectories, cohort, True), color="#2e86de", lw=2, label="guarded")
+        trip = s["first_trip_step_median"]
+        if trip is not None:
+            ax.axvline(trip, color="#c0392b", ls="--", lw=1.2, label="first trip (median step)")
+            ax.annotate(f"trip: step {trip:g}", xy=(trip, 0.55), xycoords=("data", "axes fraction"),
+                        xytext=(4, 0), textcoords="offset points", ha="left", va="center", color="#c0392b",
+                        fontsize=9, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+        ax.set_title(f"{cohort}: {title}", fontsize=11, loc="left")
+        ax.set_xlabel("step")
+        ax.set_xlim(1, STEPS)
+        ax.grid(alpha=0.3)
+        ax.text(0.0, -0.2, f"tokens saved: {s['tokens_saved_pct']:.1f}%\n"
+                f"out-of-scope writes landed: {s['out_of_scope_landed_guarded']:,} guarded, "
+                f"{s['out_of_scope_landed_unguarded']:,} unguarded",
+                transform=ax.transAxes, fontsize=9, va="top")
+    axes[0].set_ylabel("tokens per step (mean over runs)")
+    axes[0].set_ylim(bottom=0)
+    handles, labels = axes[-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside upper center", ncols=3, frameon=False)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the cohorts, print the table, write JSON and SVG."""
+    """Run the cohorts, print the table, write JSON and the picture."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--per-cohort", type=int, default=250)
     parser.add_argument("--jobs", type=int, default=4)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results")
+    parser.add_argument("--replot", action="store_true", help="only redraw the picture from OUT/cohorts.json")
     args = parser.parse_args(argv)
+    if args.replot:
+        saved = json.loads((args.out / "cohorts.json").read_text())
+        return 0 if plot(saved["trajectories"], saved["summary"], args.out / "cohorts.png") else 1
     if os.geteuid() != 0:
         print("cohorts: run as root (guard run isolates each trajectory as in CI)", file=sys.stderr)
         return 69
@@ -313,8 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "cohorts.json").write_text(json.dumps(
         {"summary": summary, "seed": SEED, "elapsed_s": elapsed, "per_cohort": args.per_cohort,
          "trajectories": [asdict(r) | {"op_us": None, "report_us": None} for r in results]}, indent=1))
-    svg(results, summary, args.out / "cohorts.svg")
-    print(f"written: {args.out / 'cohorts.json'}, {args.out / 'cohorts.svg'}")
+    drawn = plot([asdict(r) for r in results], summary, args.out / "cohorts.png")
+    print(f"written: {args.out / 'cohorts.json'}" + (f", {args.out / 'cohorts.png'}" if drawn else ""))
     shutil.rmtree(base, ignore_errors=True)
     return 0
 
