@@ -312,7 +312,7 @@ def row(s: Sample) -> str:
     """One line of the table."""
     def num(v: float | None, spec: str) -> str:
         return "-" if v is None else format(v, spec)
-    return (f"{s.minute:>7.1f} {num(s.rss_mib, '.1f'):>8} {num(s.fds, 'd'):>5} {s.events_kib:>11.1f} "
+    return (f"{s.minute:>7.2f} {num(s.rss_mib, '.1f'):>8} {num(s.fds, 'd'):>5} {s.events_kib:>11.1f} "
             f"{s.ledger_kib:>11.1f} {s.stdout_kib:>11.1f} {s.ops:>5} {num(s.median_ms, '.1f'):>10} "
             f"{num(s.p99_ms, '.1f'):>8}")
 
@@ -334,8 +334,8 @@ def judge(samples: list[Sample], rss_pct: float, fd_slack: int) -> tuple[list[st
         return [f"growth not judged: {len(live)} sample(s) of the live guard, at least 3 needed "
                 "(a longer --minutes or a shorter --sample-seconds)"], True
     third = len(live) // 3
-    early = f"minutes {live[0].minute:.1f}-{live[third - 1].minute:.1f}"
-    late = f"minutes {live[-third].minute:.1f}-{live[-1].minute:.1f}"
+    early = f"minutes {round(live[0].minute, 2):g}-{round(live[third - 1].minute, 2):g}"
+    late = f"minutes {round(live[-third].minute, 2):g}-{round(live[-1].minute, 2):g}"
     rss_growth = 100 * (rss[1] - rss[0]) / rss[0]
     rss_ok = rss_growth < rss_pct
     fd_growth = fds[1] - fds[0]
