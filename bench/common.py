@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import threading
 import time
@@ -16,7 +17,10 @@ from guardfs.manifest import parse_manifest
 from sandbox.breaker import Breaker
 from sandbox.daemon import Daemon
 
-__all__ = ["daemon_in_thread", "percentiles", "timed"]
+__all__ = ["ROOT", "daemon_in_thread", "guard_run_argv", "percentiles", "quantile", "timed"]
+
+#: The checkout the benchmarks run from (what guard run's agent gets on PYTHONPATH).
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def daemon_in_thread(manifest: str) -> Daemon:
@@ -54,3 +58,18 @@ def timed(fn: Callable[[int], object], n: int) -> dict[str, float]:
         fn(i)
         out.append(clock() - t0)
     return percentiles(out)
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The q-quantile of *values* by nearest rank (0 when there are none)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+def guard_run_argv(manifest: Path, run_dir: Path, workspace: Path, command: list[str]) -> list[str]:
+    """``guard run --ci`` of *command* over *workspace*, with this interpreter, as cohorts.py runs
+    its trajectories: no terminal, a terminal trip stops the agent, the status is the agent's."""
+    return [sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest), "--run-dir", str(run_dir),
+            "--workspace", str(workspace), "--", *command]
