@@ -10,7 +10,9 @@ written and at close. Denials, trips and breaker changes are never dropped.
 
 Names are bytes on Linux and need not be UTF-8; guardfs carries them as ``str`` with
 ``surrogateescape``. Every string written here is escaped losslessly (see
-:func:`escape_name`), so a name that is not UTF-8 is written, visibly, as ``\\xNN``.
+:func:`escape_name`), so a name that is not UTF-8 is written, visibly, as ``\\xNN``;
+the text forms for terminals and markdown (:func:`printable`, :func:`md_text`) live here
+too, so that every writer of the guard escapes names the same way.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, TextIO
 
 from guardfs.manifest import Record
 
-__all__ = ["EventLog", "escape_name", "json_safe", "printable", "unescape"]
+__all__ = ["EventLog", "escape_name", "json_safe", "md_text", "printable", "unescape"]
 
 # What needs escaping in JSON: backslashes and lone surrogates (undecodable bytes carried by
 # surrogateescape are U+DC80..U+DCFF; JSON input can carry any other lone surrogate).
@@ -62,6 +64,25 @@ def printable(text: str) -> str:
     """*text* for a terminal or markdown: as :func:`escape_name`, and control characters
     (``\\n``, ``\\t``, ``\\xNN``) and invisible line or direction marks (``\\uNNNN``) too."""
     return _TEXT_SPECIAL.sub(_escape_char, text)
+
+
+# A character that would start a block (heading, quote, list, thematic break, setext
+# underline) at the start of a list item or a line.
+_BLOCK_MARK = re.compile(r"^[#>+*=~_-]")
+_ORDERED = re.compile(r"^(\d+)([.)])")
+
+
+def md_text(text: str) -> str:
+    """*text* (a name, a note, anything the agent controls) safe inside one line of markdown.
+
+    Lossless and visible: bytes that are not UTF-8 and control characters are written as
+    escapes (``\\xff``, ``\\n``, see :func:`printable`); ``|``, backticks
+    and ``<`` are backslash-escaped and a block marker at its start is escaped, so the text
+    can neither end its line, nor forge a heading, a table row, a fence or HTML.
+    """
+    text = printable(text)
+    text = text.replace("|", "\\|").replace("`", "\\`").replace("<", "\\<")
+    return _ORDERED.sub(r"\1\\\2", _BLOCK_MARK.sub(r"\\\g<0>", text))
 
 
 def unescape(text: str) -> bytes:

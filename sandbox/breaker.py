@@ -28,6 +28,7 @@ from typing import Any
 
 from guardfs.accounting import WriteAccounting
 from guardfs.decision import ALLOW, ERRNO_FORBIDDEN, ERRNO_LIMIT, LimitsDecider, Request, Verdict, policy_verdict
+from guardfs.events import printable
 from guardfs.manifest import Limits, Manifest
 from guardfs.policy import Classification, PathPolicy, Scope
 
@@ -520,7 +521,7 @@ class Breaker:
             status = ("The breaker is HALF_OPEN: the next step must be back in scope and make progress; "
                       "another violation halts the run.")
         return "\n".join([
-            f"guard: refused: {trip.reason}",
+            f"guard: refused: {printable(trip.reason)}",  # a name in it cannot break or forge lines
             f"Rule: {trip.rule.value}" + (f" (limits.{_LIMIT_KEY[trip.rule]})" if trip.rule in _LIMIT_KEY else ""),
             f"Task {m.task.id}: {m.task.goal}",
             f"Scope: writes only in {', '.join(m.paths.allowed) or 'nowhere (read-only)'}; "

@@ -15,28 +15,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from guardfs.events import json_safe, printable
+from guardfs.events import json_safe, md_text, printable
 
-__all__ = ["md_text", "render_state", "write_atomic", "write_ledger"]
-
-# A character that would start a block (heading, quote, list, thematic break, setext
-# underline) at the start of a list item or a line.
-_BLOCK_MARK = re.compile(r"^[#>+*=~_-]")
-_ORDERED = re.compile(r"^(\d+)([.)])")
-
-
-def md_text(text: str) -> str:
-    """*text* (a name, a note, anything the agent controls) safe inside one line of markdown.
-
-    Lossless and visible: bytes that are not UTF-8 and control characters are written as
-    escapes (``\\xff``, ``\\n``, see :func:`guardfs.events.printable`); ``|``, backticks
-    and ``<`` are backslash-escaped and a block marker at its start is escaped, so the text
-    can neither end its line, nor forge a heading, a table row, a fence or HTML.
-    """
-    text = printable(text)
-    text = text.replace("|", "\\|").replace("`", "\\`").replace("<", "\\<")
-    return _ORDERED.sub(r"\1\\\2", _BLOCK_MARK.sub(r"\\\g<0>", text))
-
+__all__ = ["render_state", "write_atomic", "write_ledger"]
 
 def _fenced(text: str) -> list[str]:
     """*text* as a fenced block that no line of it can close: the fence is longer than
