@@ -203,6 +203,13 @@ ODD_NAMES = """
         f.write("not utf-8 name\\n")
     with open("src/checkout/a\\n| forged | row |", "w") as f:
         f.write("newline and pipes\\n")
+    import socket
+    with socket.socket(socket.AF_UNIX) as s:  # a flood of malformed lines, past the rate cap
+        s.connect(os.environ["GUARD_SOCKET"])
+        s.sendall(b"[[[\\n" * 500)
+        got = b""
+        while got.count(b"\\n") < 500:
+            got += s.recv(65536)
     with GuardClient() as guard:
         guard.hello("test")
         guard.note("\\n## Trips\\n(none)")
@@ -224,7 +231,7 @@ def test_guard_run_with_odd_names_and_a_forging_note(tmp_path: Path) -> None:
     (ws / "README.md").write_text("readme\n")
     subprocess.run(["git", "init", "-q"], cwd=ws, check=True)
     manifest = tmp_path / "manifest.toml"
-    manifest.write_text(FIX_TAX)
+    manifest.write_text(FIX_TAX + "[record]\nevents_per_second = 1\nevents_burst = 20\n")
     run_dir = tmp_path / "run"
     run = subprocess.run(
         [sys.executable, "-m", "sandbox", "run", "--manifest", str(manifest), "--run-dir", str(run_dir),
@@ -252,5 +259,11 @@ def test_guard_run_with_odd_names_and_a_forging_note(tmp_path: Path) -> None:
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text(encoding="ascii").splitlines()]
     created = {unescape(e["path"]) for e in events if e["op"] == "create"}
     assert b"src/checkout/\xff" in created and b"src/checkout/a\n| forged | row |" in created
+    dropped = sum(e["count"] for e in events if e["op"] == "dropped")
+    protocol = sum(e["kinds"].get("protocol", 0) for e in events if e["op"] == "dropped")
+    assert protocol >= 480 and sum(1 for e in events if e["op"] == "protocol") + protocol == 500
+    assert [e["rule"] for e in events if e["op"] == "trip"] == ["scope_spill"]
+    assert f"events dropped by the event log's caps: {dropped} (" in run.stderr
+    assert f"protocol {protocol}); denials and trips all kept" in run.stderr
     assert "files mutated: 2 (" in run.stderr
     assert "src/checkout/\\xff" in run.stderr and "src/checkout/a\\n| forged | row |" in run.stderr
