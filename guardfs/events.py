@@ -116,8 +116,10 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-# Ops that change the breaker's state or the workspace as a whole: never dropped.
-_KEPT_OPS = frozenset({"trip", "breaker", "approve", "stop", "checkpoint", "rollback", "limit"})
+# Ops that change the breaker's state or the workspace as a whole: never dropped. Not
+# "checkpoint": the agent makes one with every passing test run, as often as it likes (the
+# ledger lists them, bounded).
+_KEPT_OPS = frozenset({"trip", "breaker", "approve", "stop", "rollback", "limit"})
 # A malformed socket message is refused before it reaches the breaker: it refuses no
 # operation, and a flood of them is what the caps are for. Counted, and dropped past a cap.
 _NOISE_OPS = frozenset({"protocol"})

@@ -267,3 +267,20 @@ def test_guard_run_with_odd_names_and_a_forging_note(tmp_path: Path) -> None:
     assert f"protocol {protocol}); denials and trips all kept" in run.stderr
     assert "files mutated: 2 (" in run.stderr
     assert "src/checkout/\\xff" in run.stderr and "src/checkout/a\\n| forged | row |" in run.stderr
+
+
+def test_what_the_agent_repeats_at_will_is_droppable_and_breaker_changes_are_not(tmp_path: Path) -> None:
+    """Checkpoints (one per passing test run) and notes can flood; trips, breaker changes,
+    denials and operator acts cannot be dropped, even past the size cap."""
+    log = EventLog(tmp_path / "e.jsonl", caps=Record(events_max_bytes=4096))
+    for _ in range(100):
+        log.emit("checkpoint", "", "allow", id=1, label="passing test: pytest")
+    kept = [("trip", "deny"), ("breaker", "allow"), ("approve", "allow"), ("stop", "deny"),
+            ("rollback", "allow"), ("limit", "allow"), ("open", "deny"), ("check", "deny")]
+    for op, decision in kept:
+        log.emit(op, "p", decision)
+    log.emit("protocol", "agent", "deny", reason="not valid JSON")
+    log.close()
+    ops = [e["op"] for e in read_events(tmp_path / "e.jsonl")]
+    assert [op for op in ops if op not in ("checkpoint", "dropped")] == [op for op, _ in kept]
+    assert log.dropped["checkpoint"] > 0 and log.dropped["protocol"] == 1
