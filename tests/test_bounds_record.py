@@ -25,7 +25,7 @@ from guardfs.manifest import Record
 from sandbox.client import GuardClient
 
 from .conftest import CHECKOUT_MANIFEST, guarded_mount
-from .helpers import FIX_TAX
+from .helpers import FIX_TAX, wait_for
 
 INVALID = 2000  # malformed lines sent on the agent socket: a flood of droppable events
 
@@ -165,9 +165,16 @@ def test_notes_and_ledger_bounded_and_the_final_state_written(tmp_path: Path) ->
         "[record]\nmax_notes = 20\nmax_note_chars = 100\nledger_max_items = 10\nledger_min_interval_s = 60\n"
     )
     run_dir = tmp_path / "run"
+    def on_disk() -> dict[str, Any]:
+        return json.loads((run_dir / "ledger.json").read_text())
+
     with guarded_mount(tmp_path, manifest, run_dir=run_dir) as g, GuardClient(run_dir / "agent.sock") as agent:
-        for i in range(300):
+        assert agent.note("note 0 " + "x" * 3000)["ok"]
+        wait_for(lambda: len(on_disk()["notes"]) == 1, "the first note in ledger.json")
+        for i in range(1, 300):
             assert agent.note(f"note {i} " + "x" * 3000)["ok"]
+        # The writer rests 60 s after a write: the 299 changes since are coalesced, not written.
+        assert len(on_disk()["notes"]) == 1
         state = (g.mnt / ".guard/STATE.md").read_text()
         assert len(state) < 8000
         assert "(290 older notes not shown" in state
