@@ -166,7 +166,8 @@ def test_notes_and_ledger_bounded_and_the_final_state_written(tmp_path: Path) ->
     )
     run_dir = tmp_path / "run"
     def on_disk() -> dict[str, Any]:
-        return json.loads((run_dir / "ledger.json").read_text())
+        doc: dict[str, Any] = json.loads((run_dir / "ledger.json").read_text())
+        return doc
 
     with guarded_mount(tmp_path, manifest, run_dir=run_dir) as g, GuardClient(run_dir / "agent.sock") as agent:
         assert agent.note("note 0 " + "x" * 3000)["ok"]
