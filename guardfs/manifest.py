@@ -1,9 +1,9 @@
 """The scope manifest: what a task may touch, validated strictly.
 
-A manifest is TOML with three sections, ``[task]``, ``[paths]`` and ``[limits]``. Every
-field is described where it is declared. Unknown keys, wrong types and bad patterns are
-errors that name the file, the key and the reason; an invalid manifest is never replaced
-by defaults.
+A manifest is TOML with the sections ``[task]``, ``[paths]``, ``[limits]``, ``[breaker]``,
+``[sandbox]`` and ``[record]``. Every field is described where it is declared. Unknown
+keys, wrong types and bad patterns are errors that name the file, the key and the reason;
+an invalid manifest is never replaced by defaults.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from pydantic import (
 
 from guardfs.errors import ManifestError
 
-__all__ = ["RULES", "Breaker", "Limits", "Manifest", "Paths", "Rule", "Task", "load_manifest", "parse_manifest"]
+__all__ = [
+    "RULES", "Breaker", "Limits", "Manifest", "Paths", "Record", "Rule", "Task", "load_manifest", "parse_manifest",
+]
 
 # Paths no pattern should match unless it matches nearly everything: a random name at the
 # root, with an extension, and one directory down.
@@ -273,14 +275,70 @@ class SandboxSettings(_Strict):
     )
 
 
+class Record(_Strict):
+    """How much the guard records about a run: bounds on what the agent can make it write.
+
+    The agent controls how many events, notes and ledger entries it causes; these caps keep
+    the run directory bounded however long or hostile the session. What a cap leaves out
+    is counted and said where it was left out; denials, trips and breaker changes are
+    never dropped from the event log.
+    """
+
+    events_max_bytes: Annotated[int, Field(ge=4096)] = Field(
+        default=64 * 1024 * 1024,
+        description=(
+            "Size of events.jsonl beyond which events are dropped (counted, and the count "
+            "written as one 'dropped' line). Denials, trips and breaker changes are still "
+            "written past it. Default 64 MiB."
+        ),
+    )
+    events_per_second: Annotated[float, Field(gt=0)] = Field(
+        default=1000.0,
+        description=(
+            "Sustained rate of events written; faster events are dropped and counted (a token "
+            "bucket refilled at this rate). Denials, trips and breaker changes are never dropped."
+        ),
+    )
+    events_burst: Annotated[int, Field(ge=1)] = Field(
+        default=10000,
+        description="Events that may be written at once above events_per_second (the bucket's size).",
+    )
+    max_notes: Annotated[int, Field(ge=1)] = Field(
+        default=100,
+        description="Notes the ledger keeps (the most recent); older ones are dropped and counted.",
+    )
+    max_note_chars: Annotated[int, Field(ge=16)] = Field(
+        default=1000,
+        description="Characters of one note kept; a longer note is cut, with a marker saying so.",
+    )
+    ledger_max_items: Annotated[int, Field(ge=2)] = Field(
+        default=100,
+        description=(
+            "Entries of each list in ledger.json and STATE.md (trips, files, notes, checkpoints, "
+            "a file's symbols); beyond it the first and the most recent are shown and the number "
+            "left out is said."
+        ),
+    )
+    ledger_min_interval_s: Annotated[float, Field(ge=0.0, le=60.0)] = Field(
+        default=0.25,
+        description=(
+            "Least time between two rewrites of ledger.json and STATE.md in the run directory; "
+            "changes in between are coalesced into the next rewrite, and the final state is "
+            "always written when the run ends. (.guard/STATE.md in the mount is always current.)"
+        ),
+    )
+
+
 class Manifest(_Strict):
-    """A task's scope: the ``[task]``, ``[paths]``, ``[limits]`` and ``[breaker]`` sections."""
+    """A task's scope: the ``[task]``, ``[paths]``, ``[limits]``, ``[breaker]``, ``[sandbox]``
+    and ``[record]`` sections."""
 
     task: Task = Field(description="The task being governed.")
     paths: Paths = Field(default_factory=Paths, description="Scope of reads and writes.")
     limits: Limits = Field(default_factory=Limits, description="Breaker thresholds.")
     breaker: Breaker = Field(default_factory=Breaker, description="Recovery from trips.")
     sandbox: SandboxSettings = Field(default_factory=SandboxSettings, description="Isolation of guard run.")
+    record: Record = Field(default_factory=Record, description="Bounds on the event log, notes and ledger.")
 
     @property
     def read_only(self) -> bool:

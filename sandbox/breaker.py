@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import difflib
 import enum
+import heapq
 import itertools
 import json
 import re
@@ -27,6 +28,7 @@ from typing import Any
 
 from guardfs.accounting import WriteAccounting
 from guardfs.decision import ALLOW, ERRNO_FORBIDDEN, ERRNO_LIMIT, LimitsDecider, Request, Verdict, policy_verdict
+from guardfs.events import printable
 from guardfs.manifest import Limits, Manifest
 from guardfs.policy import Classification, PathPolicy, Scope
 
@@ -37,6 +39,8 @@ _TEST_COMMAND = re.compile(r"\b(pytest|py\.test|unittest|tox|nox|jest|vitest|moc
                            r"npm (run )?test|yarn test|pnpm test|make (test|check)|ctest|rspec|phpunit)\b")
 # One encoder for every call's canonical form (json.dumps with options builds a new one).
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str)
+# The ledger shows the last feedback whole up to this length (it quotes the goal and the scope).
+_MAX_FEEDBACK_CHARS = 16_000
 # git stats every tracked file: a forbidden one it meets is refused, but is no trip.
 _BENIGN_LOOKUP_ACTORS = frozenset({"git"})
 
@@ -191,7 +195,11 @@ class Breaker:
         self._recoverable = frozenset(Rule(r) for r in manifest.breaker.recoverable)
         self.state = State.CLOSED
         self.trips: list[Trip] = []
-        self.notes: list[dict[str, Any]] = []
+        self.record = manifest.record
+        # The most recent notes (the agent decides how many it sends), and how many older
+        # ones were dropped to keep the ledger bounded.
+        self.notes: collections.deque[dict[str, Any]] = collections.deque(maxlen=self.record.max_notes)
+        self.notes_dropped = 0
         self.checkpoints: list[dict[str, Any]] = []
         self.last_feedback = ""
         self.version = 0  # bumped on every change, for the ledger writer
@@ -347,6 +355,9 @@ class Breaker:
     def note(self, kind: str, text: str) -> Reply:
         """A hypothesis disproved or an active subtask, for the ledger."""
         self._touch()
+        text = _clip(text, self.record.max_note_chars, "record.max_note_chars")
+        if len(self.notes) == self.notes.maxlen:
+            self.notes_dropped += 1
         self.notes.append({"kind": kind, "text": text, "step": self._c.steps, "time": self.now()})
         self._emit("note", "", "allow", kind=kind)
         self._changed()
@@ -512,7 +523,7 @@ class Breaker:
             status = ("The breaker is HALF_OPEN: the next step must be back in scope and make progress; "
                       "another violation halts the run.")
         return "\n".join([
-            f"guard: refused: {trip.reason}",
+            f"guard: refused: {printable(trip.reason)}",  # a name in it cannot break or forge lines
             f"Rule: {trip.rule.value}" + (f" (limits.{_LIMIT_KEY[trip.rule]})" if trip.rule in _LIMIT_KEY else ""),
             f"Task {m.task.id}: {m.task.goal}",
             f"Scope: writes only in {', '.join(m.paths.allowed) or 'nowhere (read-only)'}; "
@@ -527,9 +538,20 @@ class Breaker:
     # ----- the ledger's view ---------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        """Everything the ledger shows, as JSON-ready data."""
+        """Everything the ledger shows, as JSON-ready data, bounded in size.
+
+        Each list keeps at most ``record.ledger_max_items`` entries (the first and the most
+        recent; for files, the most rewritten); ``omitted`` says how many each left out.
+        """
         m, lim, c = self.manifest, self.limits, self._c
-        files = self.accounting.summary()
+        n = self.record.ledger_max_items
+        omitted: dict[str, int] = {}
+        trips = _bounded(self.trips, n, "trips", omitted)
+        notes = _bounded(list(self.notes), n, "notes", omitted)
+        omitted["notes"] += self.notes_dropped
+        checkpoints = _bounded(self.checkpoints, n, "checkpoints", omitted)
+        files = self._files_snapshot(n, omitted)
+        feedback = _clip(self.last_feedback, _MAX_FEEDBACK_CHARS, "")
         return {
             "task": {"id": m.task.id, "goal": m.task.goal},
             "scope": {
@@ -540,19 +562,50 @@ class Breaker:
                                f"git internals are {m.paths.git_internals}"],
             },
             "state": self.state.value,
-            "files": {"distinct": files["distinct_files"], "max": lim.max_files, "list": files["files"]},
+            "files": {"distinct": self.accounting.distinct, "max": lim.max_files, "list": files},
             "tokens": {"total": c.tokens_total, "cached": c.tokens_cached, "window": sum(c.window),
                        "window_steps": lim.window_steps, "max_window": lim.max_window_tokens,
                        "since_progress": c.since_progress},
             "steps": c.steps,
             "consecutive_failures": c.consecutive_failures,
             "trips": [{"rule": t.rule.value, "state": t.state.value, "step": t.step, "time": t.time,
-                       "reason": t.reason} for t in self.trips],
-            "last_feedback": self.last_feedback,
-            "notes": list(self.notes),
-            "checkpoints": list(self.checkpoints),
+                       "reason": t.reason} for t in trips],
+            "last_feedback": feedback,
+            "notes": notes,
+            "checkpoints": checkpoints,
+            "omitted": omitted,
             "limits": lim.model_dump(),
         }
+
+    def _files_snapshot(self, n: int, omitted: dict[str, int]) -> dict[str, Any]:
+        """The *n* most rewritten files (by name), each with at most *n* symbols."""
+        records = self.accounting.files
+        chosen = heapq.nsmallest(n, records.items(), key=lambda kv: (-kv[1].rewrites, kv[0]))
+        omitted["files"] = len(records) - len(chosen)
+        omitted["symbols"] = 0
+        out: dict[str, Any] = {}
+        for path, rec in sorted(chosen):
+            symbols = heapq.nsmallest(n, rec.symbols.items(), key=lambda kv: (-kv[1], kv[0]))
+            omitted["symbols"] += len(rec.symbols) - len(symbols)
+            out[path] = {"rewrites": rec.rewrites, "created": rec.created, "symbols": dict(sorted(symbols))}
+        return out
+
+
+def _clip(text: str, limit: int, key: str) -> str:
+    """*text* cut at *limit* characters, with a marker saying how much was cut (and by which key)."""
+    if len(text) <= limit:
+        return text
+    by = f": {key}={limit}" if key else ""
+    return f"{text[:limit]} [... {len(text) - limit} more characters cut{by}]"
+
+
+def _bounded(items: Sequence[Any], n: int, name: str, omitted: dict[str, int]) -> list[Any]:
+    """At most *n* of *items*: the first and the most recent; the number left out goes to *omitted*."""
+    omitted[name] = max(0, len(items) - n)
+    if len(items) <= n:
+        return list(items)
+    head = n // 2
+    return [*items[:head], *items[len(items) - (n - head):]]
 
 
 def _limit_rule(rule: Rule) -> str:

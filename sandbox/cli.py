@@ -229,7 +229,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
     from guardfs.events import EventLog
 
-    events = EventLog(args.events or (run_dir / "events.jsonl" if run_dir else None))
+    events = EventLog(args.events or (run_dir / "events.jsonl" if run_dir else None), caps=manifest.record)
     try:
         if run_dir is None:
             fs = GuardFS(args.backing, manifest, events, cache_timeout=args.cache_timeout, xattrs=args.xattrs)

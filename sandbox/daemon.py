@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 
 import trio
 
-from guardfs.events import EventLog
+from guardfs.events import EventLog, json_safe
 from sandbox.agents.fasthook import GuardUnreachable, decide
 from sandbox.breaker import Breaker, Reply
 from sandbox.ledger import render_state, write_ledger
@@ -55,6 +56,8 @@ IDLE_CONNECTION_S = 600.0
 #: A client that does not take its reply within this long is dropped.
 SEND_TIMEOUT_S = 10.0
 LEDGER_INTERVAL_S = 0.05
+#: The ledger writer rests this many times as long as its last write took.
+LEDGER_COST_FACTOR = 4.0
 TICK_INTERVAL_S = 1.0
 
 
@@ -132,7 +135,8 @@ class Daemon:
             write_ledger(self.run_dir, self.breaker.snapshot())
 
     def state_text(self) -> str:
-        """STATE.md as of now (what guardfs serves as .guard/STATE.md)."""
+        """STATE.md as of now (what guardfs serves as .guard/STATE.md): bounded, and with
+        every name escaped, so it always encodes as UTF-8."""
         return render_state(self.breaker.snapshot())
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -277,7 +281,7 @@ class Daemon:
                 code, text = decide(msg.event, self._ask_self)
                 return {"v": VERSION, "ok": True, "exit": code, "stderr": text}
             case Status():
-                return {"v": VERSION, "ok": True, "state": b.state.value, "ledger": b.snapshot()}
+                return {"v": VERSION, "ok": True, "state": b.state.value, "ledger": json_safe(b.snapshot())}
             case Approve():
                 return _reply(b.approve(msg.raise_to))
             case Stop():
@@ -306,12 +310,24 @@ class Daemon:
     # ----- background tasks ------------------------------------------------------------
 
     async def _ledger_loop(self) -> None:
+        """Rewrite the ledger after changes, bounded in cost whatever the agent does.
+
+        A change after a quiet spell is written within LEDGER_INTERVAL_S. After each write
+        the loop rests ``record.ledger_min_interval_s``, and at least LEDGER_COST_FACTOR
+        times as long as the write took (a slow disk gets fewer rewrites, not a backlog):
+        changes meanwhile coalesce into the next write. The snapshot itself is bounded
+        (``record.ledger_max_items``), and cleanup() writes the final state.
+        """
+        interval = self.breaker.manifest.record.ledger_min_interval_s
         while True:
-            if self._written != self.breaker.version:
-                self._written = self.breaker.version
-                snap = self.breaker.snapshot()  # taken in the loop's thread: consistent
-                await trio.to_thread.run_sync(write_ledger, self.run_dir, snap)
-            await trio.sleep(LEDGER_INTERVAL_S)
+            if self._written == self.breaker.version:
+                await trio.sleep(LEDGER_INTERVAL_S)
+                continue
+            self._written = self.breaker.version
+            snap = self.breaker.snapshot()  # taken in the loop's thread: consistent
+            started = time.monotonic()
+            await trio.to_thread.run_sync(write_ledger, self.run_dir, snap)
+            await trio.sleep(max(interval, LEDGER_COST_FACTOR * (time.monotonic() - started)))
 
     async def _tick_loop(self) -> None:
         while True:

@@ -1,6 +1,8 @@
 """The state ledger: ``ledger.json`` and ``STATE.md``, for humans, CI and the agent.
 
-The same markdown is what guardfs serves as ``.guard/STATE.md`` inside the mount.
+The same markdown is what guardfs serves as ``.guard/STATE.md`` inside the mount. What the
+agent controls in it (names, notes, reasons quoting names) is escaped, so that it cannot
+forge the document's structure; both files are bounded by the snapshot's bounds.
 Files in the run directory are replaced atomically (write a temporary, fsync, rename), so a
 reader never sees half a ledger, also when the guard is killed mid-write.
 """
@@ -9,26 +11,43 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
+from guardfs.events import json_safe, md_text, printable
+
 __all__ = ["render_state", "write_atomic", "write_ledger"]
+
+def _fenced(text: str) -> list[str]:
+    """*text* as a fenced block that no line of it can close: the fence is longer than
+    any run of backticks inside. Lines keep their breaks; each line is made printable."""
+    lines = [printable(line) for line in text.split("\n")]
+    longest = max((len(run) for run in re.findall("`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [fence, *lines, fence]
+
+
+def _more(omitted: dict[str, int], key: str, what: str) -> list[str]:
+    n = omitted.get(key, 0)
+    return [f"- ({n} {what} not shown; record.ledger_max_items bounds this list)"] if n else []
 
 
 def render_state(snap: dict[str, Any]) -> str:
-    """STATE.md from a breaker snapshot."""
+    """STATE.md from a breaker snapshot; every text the agent controls is escaped."""
     files, tokens, scope = snap["files"], snap["tokens"], snap["scope"]
+    omitted: dict[str, int] = snap.get("omitted", {})
     max_files = "unlimited" if files["max"] is None else files["max"]
     max_window = "unlimited" if tokens["max_window"] is None else tokens["max_window"]
     lines = [
         f"# guard state: {snap['state']}",
         "",
-        f"**Task {snap['task']['id']}**: {snap['task']['goal']}",
+        f"**Task {md_text(snap['task']['id'])}**: {md_text(snap['task']['goal'])}",
         "",
         "## Scope",
-        f"- writes allowed in: {', '.join(scope['allowed']) or 'nowhere (read-only)'}",
-        f"- forbidden (no read, no write): {', '.join(scope['forbidden']) or 'nothing'}",
-        *(f"- {inv}" for inv in scope["invariants"]),
+        f"- writes allowed in: {', '.join(map(md_text, scope['allowed'])) or 'nowhere (read-only)'}",
+        f"- forbidden (no read, no write): {', '.join(map(md_text, scope['forbidden'])) or 'nothing'}",
+        *(f"- {md_text(inv)}" for inv in scope["invariants"]),
         "",
         "## Budget",
         f"- files mutated: {files['distinct']} of {max_files}",
@@ -38,18 +57,24 @@ def render_state(snap: dict[str, Any]) -> str:
     ]
     if files["list"]:
         lines += ["", "## Files mutated", "| file | rewrites |", "|---|---|"]
-        lines += [f"| {path} | {rec['rewrites']} |" for path, rec in files["list"].items()]
+        lines += [f"| {md_text(path)} | {rec['rewrites']} |" for path, rec in files["list"].items()]
+        lines += _more(omitted, "files", "more files (fewer rewrites)")
     if snap["trips"]:
         lines += ["", "## Trips", "| step | rule | state | reason |", "|---|---|---|---|"]
-        lines += [f"| {t['step']} | {t['rule']} | {t['state']} | {t['reason']} |" for t in snap["trips"]]
+        lines += [f"| {t['step']} | {md_text(t['rule'])} | {md_text(t['state'])} | {md_text(t['reason'])} |"
+                  for t in snap["trips"]]
+        lines += _more(omitted, "trips", "trips between the first and the most recent")
     if snap["last_feedback"]:
-        lines += ["", "## Last feedback", "```", snap["last_feedback"], "```"]
+        lines += ["", "## Last feedback", *_fenced(snap["last_feedback"])]
     disproved = [n for n in snap["notes"] if n["kind"] == "disproved"]
     others = [n for n in snap["notes"] if n["kind"] != "disproved"]
     if disproved:
-        lines += ["", "## Hypotheses disproved", *(f"- {n['text']}" for n in disproved)]
+        lines += ["", "## Hypotheses disproved", *(f"- {md_text(n['text'])}" for n in disproved)]
     if others:
-        lines += ["", "## Notes", *(f"- ({n['kind']}) {n['text']}" for n in others)]
+        lines += ["", "## Notes", *(f"- ({md_text(n['kind'])}) {md_text(n['text'])}" for n in others)]
+    if omitted.get("notes"):
+        lines += ["", f"({omitted['notes']} older notes not shown; record.max_notes and "
+                      "record.ledger_max_items bound them)"]
     return "\n".join(lines) + "\n"
 
 
@@ -64,6 +89,9 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def write_ledger(run_dir: Path, snap: dict[str, Any]) -> None:
-    """Write ledger.json and STATE.md into *run_dir*."""
-    write_atomic(run_dir / "ledger.json", json.dumps(snap, indent=2, default=str).encode())
+    """Write ledger.json and STATE.md into *run_dir*.
+
+    Strings in ledger.json are escaped as in events.jsonl (:func:`guardfs.events.escape_name`).
+    """
+    write_atomic(run_dir / "ledger.json", json.dumps(json_safe(snap), indent=2, default=str).encode())
     write_atomic(run_dir / "STATE.md", render_state(snap).encode())

@@ -10,6 +10,7 @@ when the agent ends, unmounts and prints a summary.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import json
 import os
 import pwd
@@ -29,7 +30,7 @@ import pyfuse3
 import trio
 
 from guardfs.accounting import WriteAccounting
-from guardfs.events import EventLog
+from guardfs.events import EventLog, printable
 from guardfs.fs import GuardFS
 from guardfs.manifest import Manifest
 from guardfs.mount import check_fuse_available, init_mount, keepalive, mount_options
@@ -119,7 +120,7 @@ def run(opts: RunOptions) -> int:
         compiled_helper()  # built (once per machine) before the mount is up, not in its loop
     private = private_mount_namespace()  # before trio starts any thread
     _say(f"run directory {run_dir}")
-    events = EventLog(run_dir / "events.jsonl")
+    events = EventLog(run_dir / "events.jsonl", caps=opts.manifest.record)
     lane_stage = LaneStage(stage)
     lane_args = _fast_lanes(opts, bwrap, lane_stage, events)
     accounting = WriteAccounting()
@@ -465,14 +466,20 @@ async def _on_signals(tree: ProcessTree, outcome: _Outcome) -> None:
 def _summary(opts: RunOptions, breaker: Breaker, accounting: WriteAccounting, events: EventLog,
              outcome: _Outcome, status: int) -> None:
     snap = breaker.snapshot()
-    files = sorted(accounting.files)
+    files = [printable(f) for f in heapq.nsmallest(8, accounting.files)]  # names escaped: any bytes, no controls
+    more = ", ..." if len(accounting.files) > 8 else ""
     trips = ", ".join(f"{t['rule']} at step {t['step']}" for t in snap["trips"]) or "none"
+    if snap["omitted"]["trips"]:
+        trips += f" ({len(breaker.trips)} in all; ledger.json keeps the first and the last)"
+    dropped = sum(events.dropped.values())
     lines = [
         "run summary",
         f"  exit status: {status}" + (f" (stopped: {outcome.tripped.value})" if outcome.tripped else ""),
-        f"  files mutated: {len(files)}" + (f" ({', '.join(files[:8])}{', ...' if len(files) > 8 else ''})"
-                                            if files else ""),
+        f"  files mutated: {len(accounting.files)}" + (f" ({', '.join(files)}{more})" if files else ""),
         f"  denials: {events.counts['deny']}; trips: {trips}",
+        *([f"  events dropped by the event log's caps: {dropped} "
+           f"({', '.join(f'{op} {n}' for op, n in sorted(events.dropped.items()))}); denials and trips all kept"]
+          if dropped else []),
         f"  tokens: {snap['tokens']['total']} in {snap['steps']} steps",
         f"  run directory: {opts.run_dir} (stdout.log, stderr.log, events.jsonl, ledger.json, STATE.md)",
     ]

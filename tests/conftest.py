@@ -111,8 +111,8 @@ def guarded_mount(
     backing.mkdir(exist_ok=True)
     mnt.mkdir(exist_ok=True)
     events_path = root / "events.jsonl"
-    events = EventLog(events_path)
     parsed = parse_manifest(manifest)
+    events = EventLog(events_path, caps=parsed.record)
     daemon = None
     companions: list[Any] = []
     state_text = None

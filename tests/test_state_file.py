@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import Guarded, git_env
+from sandbox.client import GuardClient
+
+from .conftest import Guarded, git_env, guarded_mount
 
 
 def test_state_file_is_current_and_read_only(guarded: Guarded, tmp_path: Path) -> None:
@@ -43,3 +45,25 @@ def test_state_file_is_current_and_read_only(guarded: Guarded, tmp_path: Path) -
     subprocess.run(["git", "add", "-A"], cwd=guarded.mnt, env=env, check=True)
     listed = subprocess.run(["git", "ls-files"], cwd=guarded.mnt, env=env, check=True, capture_output=True, text=True)
     assert ".guard" not in listed.stdout
+
+
+def test_state_file_escapes_odd_names_and_notes(tmp_path: Path) -> None:
+    """Names of any bytes and agent text reach .guard/STATE.md escaped, through a real mount
+    and the daemon's socket; the guard keeps serving and the breaker still trips."""
+    run_dir = tmp_path / "run"
+    with guarded_mount(tmp_path, run_dir=run_dir) as g, GuardClient(run_dir / "agent.sock") as agent:
+        (g.mnt / "src/checkout").mkdir(parents=True)
+        (Path(os.fsdecode(os.fsencode(g.mnt) + b"/src/checkout/\xff"))).write_text("x")
+        (g.mnt / "src/checkout/a\n| forged | 9 |").write_text("y")
+        assert agent.note("\n## Trips\n(none)")["ok"]
+        lines = (g.mnt / ".guard/STATE.md").read_text().splitlines()
+        assert "| src/checkout/\\xff | 1 |" in lines
+        assert "| src/checkout/a\\n\\| forged \\| 9 \\| | 1 |" in lines
+        assert "- (note) \\n## Trips\\n(none)" in lines and "## Trips" not in lines
+        with pytest.raises(OSError) as info:
+            (g.mnt / "README.md").write_text("out of scope")
+        assert info.value.errno == errno.EROFS
+        assert "## Trips" in (g.mnt / ".guard/STATE.md").read_text().splitlines()
+    events = g.events()  # every line parses; the names in their escaped form
+    assert {"src/checkout/\\xff", "src/checkout/a\n| forged | 9 |"} <= {e["path"] for e in events}
+    assert "| src/checkout/\\xff | 1 |" in (run_dir / "STATE.md").read_text().splitlines()
