@@ -121,9 +121,12 @@ class _File:
     writable: bool
     session: WriteSession | None = None
     dirty: bool = False
-    # O_TRUNC held back until the first write is judged (a file near max_rewrites), so a
-    # refused rewrite does not leave the file emptied.
-    pending_truncate: bool = False
+    # Truncated in this session (O_TRUNC or ftruncate) and not written since. Such a content
+    # is never committed at a flush: the shell's `>` opens with O_TRUNC, dup2s and closes
+    # (a flush) before it writes, and the empty file in between is not a version of its own.
+    cut: bool = False
+    # (atime, mtime) at open, put back with the content when a refused rewrite is undone.
+    times: tuple[int, int] | None = None
     # Once a write on this handle is refused, its retries (a buffered writer flushing again
     # at close) are refused alike without asking again: one act, one judgement.
     refused: int = 0
@@ -492,6 +495,7 @@ class GuardFS(pyfuse3.Operations):
             if handle is not None and handle.writable:
                 os.ftruncate(handle.fd, attr.st_size)
                 handle.dirty = True
+                handle.cut = handle.session is not None
             else:
                 fd = self.backing.open(path, os.O_WRONLY)
                 try:
@@ -727,23 +731,30 @@ class GuardFS(pyfuse3.Operations):
         where = entry.where
         if where.scope is Scope.GIT_CONFIG or (writable and where.scope is not Scope.ALLOWED):
             where = self._where(entry.path, self._stat(entry), entry.is_dir)
+        truncating = bool(flags & os.O_TRUNC) and writable
+        counted = writable and where.scope.counted
+        request = None
         if where.scope is Scope.FORBIDDEN or writable:
-            self._check(Request("open", entry.path, where, writable))
-        session = None
-        defer = False
-        if writable and where.scope.counted:  # the pre-image, before O_TRUNC takes it
-            session = WriteSession(entry.path, self._read_small(entry.path, self._stat(entry)))
-            limit = self.limits.max_rewrites
-            defer = bool(flags & os.O_TRUNC) and limit is not None and self.accounting.hot(entry.path, limit)
+            # O_TRUNC changes the file at once: its blast radius is judged here, before that.
+            new_files = self._new_files((entry.path, where)) if truncating and counted else ()
+            request = Request("open", entry.path, where, writable, new_files=new_files)
+            self._check(request)
+        session = times = None
+        if counted:  # the pre-image, before O_TRUNC takes it
+            st = self._stat(entry)
+            session = WriteSession(entry.path, self._read_small(entry.path, st))
+            times = (st.st_atime_ns, st.st_mtime_ns)
         if writable:
             self._pre(entry.path)
-        fd = self._open_session_fd(entry.path, flags & ~(_STRIP_FLAGS | (os.O_TRUNC if defer else 0)), session)
+        fd = self._open_session_fd(entry.path, flags & ~_STRIP_FLAGS, session)
         st = os.fstat(fd)
         if st.st_ino != entry.backing_ino:
             os.close(fd)
             raise FUSEError(errno.ESTALE)
-        self._files[fd] = _File(fd, entry, writable, session, bool(flags & os.O_TRUNC), defer)
+        self._files[fd] = _File(fd, entry, writable, session, truncating, truncating and counted, times)
         entry.handles.add(fd)
+        if request is not None and request.new_files:
+            self._done(request)
         return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fd), keep_cache=True)
 
     def _open_virtual(self, entry: Entry, writable: bool) -> pyfuse3.FileInfo:
@@ -793,7 +804,8 @@ class GuardFS(pyfuse3.Operations):
 
     @_fuse_errors
     async def write(self, fh: pyfuse3.FileHandleT, off: int, buf: bytes) -> int:
-        """Write; the first write of a session and any write that could oscillate are judged."""
+        """Write; the first write of a session, the first after a truncation and any write
+        that could oscillate are judged before they land."""
         f = self._files[fh]
         if f.refused:
             raise FUSEError(f.refused)
@@ -801,36 +813,60 @@ class GuardFS(pyfuse3.Operations):
         if session is not None:
             limit = self.limits.max_rewrites
             first = not f.dirty
-            hot = limit is not None and self.accounting.hot(session.path, limit)
-            if first or hot or f.pending_truncate:
+            # Content is judged only where a refusal can be undone: with the old content
+            # in hand (files too large to analyse are judged at open and first write only).
+            content = session.old is not None and (
+                f.cut or (limit is not None and self.accounting.hot(session.path, limit))
+            )
+            if first or content:
                 request = Request(
                     "write", session.path, f.entry.where, True,
                     new_files=self._new_files((session.path, f.entry.where)),
-                    rewrite=self._preview(f, off, buf) if hot or f.pending_truncate else None,
+                    rewrite=self._preview(f, off, buf) if content else None,
                 )
                 self._check_write(f, request)
                 if first:
                     self._done(request)
-                if f.pending_truncate:
-                    os.ftruncate(fh, 0)
-                    f.pending_truncate = False
+            f.cut = False
         elif not f.dirty:
             self.events.emit("write", f.entry.path, "allow", rule=f.entry.where.key)
         f.dirty = True
         return os.pwrite(fh, buf, off)
 
     def _check_write(self, f: _File, request: Request) -> None:
-        """Judge a write; after a refusal with O_TRUNC held back, the kernel (which believes
-        the file is now empty) is told to reload its attributes and pages."""
+        """Judge a write; a refusal undoes what this session did to the file."""
         try:
             self._check(request)
         except FUSEError as err:
             f.refused = err.errno
-            if f.pending_truncate:
-                ino = f.entry.ino
-                # Not from inside this request: the kernel may wait on it (deadlock).
-                threading.Thread(target=_invalidate, args=(ino,), daemon=True).start()
+            self._undo(f)
             raise
+
+    def _undo(self, f: _File) -> None:
+        """Put back the content (and times) the file had when this session began.
+
+        A refused rewrite leaves the file as it was, also when the session had already
+        truncated it (O_TRUNC) or written part of it. The kernel, which believes what the
+        session did, is told to reload the inode's attributes and pages.
+        """
+        session = f.session
+        if session is None or not f.dirty:
+            return  # nothing of this session reached the file
+        if session.old is None:
+            # Unreachable: such sessions are not judged once they have changed the file.
+            log.error("cannot undo the refused rewrite of %r: its old content was too large to keep",
+                      session.path)
+            return
+        os.ftruncate(f.fd, 0)
+        view = memoryview(session.old)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(f.fd, view[done:], done)
+        if f.times is not None:
+            os.utime(f.fd, ns=f.times)
+        f.dirty = f.cut = False
+        # Not from inside this request: the kernel may wait on it (deadlock).
+        threading.Thread(target=_invalidate, args=(f.entry.ino,), daemon=True).start()
 
     def _open_session_fd(self, path: str, flags: int, session: WriteSession | None) -> int:
         """Open the backing file; a write session also needs to read it back, so a
@@ -844,8 +880,6 @@ class GuardFS(pyfuse3.Operations):
 
     def _current(self, f: _File) -> bytes | None:
         """The file's content now (read through the open fd), if small enough to analyse."""
-        if f.pending_truncate:
-            return b""
         if f.session is None or f.session.old is None:
             return None
         size = os.fstat(f.fd).st_size
@@ -872,31 +906,28 @@ class GuardFS(pyfuse3.Operations):
         session's counts.
         """
         if fh < _VFH_BASE:
-            self._end_session(self._files[fh])
+            self._end_session(self._files[fh], final=False)
 
-    def _end_session(self, f: _File) -> None:
+    def _end_session(self, f: _File, final: bool) -> None:
+        """Commit the session's rewrite, from its old content to what the file holds now."""
         session = f.session
         if session is None or not f.dirty:
             return
-        if f.refused:  # the session's write was refused: nothing of it landed, nothing to count
-            f.dirty = f.pending_truncate = False
+        if f.refused:  # the session's write was refused and undone: nothing to count
+            f.dirty = f.cut = False
             return
-        if f.pending_truncate:  # opened with O_TRUNC, closed without writing: empty it now
-            request = Request(
-                "truncate", session.path, f.entry.where, True,
-                rewrite=self.accounting.plan_rewrite(session.path, session.old, b""),
-            )
-            f.dirty = False
-            self._check_write(f, request)
-            os.ftruncate(f.fd, 0)
-            f.pending_truncate = False
+        if f.cut and not final:
+            return  # truncated and not yet written: the writes to come complete this rewrite
         new = self._current(f)
         plan = self.accounting.plan_rewrite(session.path, session.old, new)
         self.accounting.commit_rewrite(plan, session.old)
         self.events.emit("rewrite", session.path, "allow", rule=f.entry.where.key, **self._plan_detail(plan))
         self.decider.committed(Request("rewrite", session.path, f.entry.where, True, rewrite=plan))
         session.old = new  # writes through a dup of this handle start a new session
-        f.dirty = False
+        f.dirty = f.cut = False
+        if f.times is not None:
+            st = os.fstat(f.fd)
+            f.times = (st.st_atime_ns, st.st_mtime_ns)
 
     @_fuse_errors
     async def release(self, fh: pyfuse3.FileHandleT) -> None:
@@ -906,7 +937,7 @@ class GuardFS(pyfuse3.Operations):
             return
         f = self._files.pop(fh)
         try:
-            self._end_session(f)
+            self._end_session(f, final=True)
         except FUSEError:
             pass  # release has no caller to tell; flush already reported the refusal
         finally:
