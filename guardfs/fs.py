@@ -609,7 +609,14 @@ class GuardFS(pyfuse3.Operations):
         self._pre(path)
         dir_fd, n = self.backing.parent(path)
         os.unlink(n, dir_fd=dir_fd)
+        self._unnamed(st, path)
         self._done(request)
+
+    def _unnamed(self, st: os.stat_result, path: str) -> None:
+        """*path*, a name of the inode *st*, is gone: its other names (hard links) stay."""
+        entry = self.inodes.get(self.inodes.fuse_ino(st.st_ino))
+        if entry is not None and not entry.is_dir:
+            self.inodes.unlinked(entry, path)
 
     @_fuse_errors
     async def rmdir(
@@ -673,10 +680,7 @@ class GuardFS(pyfuse3.Operations):
             _renameat2(old_dir, old_name, new_dir, new_name, flags)
         else:
             os.rename(old_name, new_name, src_dir_fd=old_dir, dst_dir_fd=new_dir)
-        if exchange:
-            self.inodes.exchanged(src, dst)
-        else:
-            self.inodes.moved(self.inodes.get(self.inodes.fuse_ino(src_st.st_ino)), src, dst)
+        self._renamed(src, src_st, dst, dst_st, exchange)
         if src_dir or (dst_st is not None and stat.S_ISDIR(dst_st.st_mode)):
             self.backing.forget_dirs()
         if plan is not None:
@@ -685,6 +689,19 @@ class GuardFS(pyfuse3.Operations):
         elif not exchange and (src_dir or src_is_new):
             acct.move(src, dst)
         self._done(request, **self._plan_detail(plan))
+
+    def _renamed(
+        self, src: str, src_st: os.stat_result, dst: str, dst_st: os.stat_result | None, exchange: bool
+    ) -> None:
+        """The inode table after a rename: names moved, a replaced name gone."""
+        if exchange:
+            self.inodes.exchanged(src, dst)
+        elif dst_st is not None and dst_st.st_ino == src_st.st_ino:
+            pass  # two names of one file: rename(2) does nothing, both names stay
+        else:
+            if dst_st is not None:
+                self._unnamed(dst_st, dst)
+            self.inodes.moved(self.inodes.get(self.inodes.fuse_ino(src_st.st_ino)), src, dst)
 
     def _check_carried(self, request: Request, src: str, dst: str) -> None:
         """Refuse moving a directory that holds a forbidden or protected path, or would
