@@ -706,19 +706,15 @@ class GuardFS(pyfuse3.Operations):
     def _check_carried(self, request: Request, src: str, dst: str) -> None:
         """Refuse moving a directory that holds a forbidden or protected path, or would
         put something of it under one."""
-        dir_fd, name = self.backing.parent(src)
-        for root, dirs, files, _fd in os.fwalk(name, dir_fd=dir_fd, follow_symlinks=False):
-            rel = root[len(name):].lstrip("/")
-            for n, is_dir in [(d, True) for d in dirs] + [(f, False) for f in files]:
-                sub = f"{rel}/{n}" if rel else n
-                for path in (f"{src}/{sub}", f"{dst}/{sub}"):
-                    where = self.policy.classify(path, is_dir)
-                    if where.scope in (Scope.FORBIDDEN, Scope.PROTECTED, Scope.GIT_CONFIG):
-                        err = errno.EACCES if where.scope is Scope.FORBIDDEN else errno.EROFS
-                        self._deny(request, Verdict(
-                            False, where.key, where.pattern, err,
-                            f"moving {src} to {dst} would carry {path} ({where.describe()})",
-                        ))
+        for below, is_dir in self.backing.walk(src):
+            for path in (below, dst + below[len(src):]):
+                where = self.policy.classify(path, is_dir)
+                if where.scope in (Scope.FORBIDDEN, Scope.PROTECTED, Scope.GIT_CONFIG):
+                    err = errno.EACCES if where.scope is Scope.FORBIDDEN else errno.EROFS
+                    self._deny(request, Verdict(
+                        False, where.key, where.pattern, err,
+                        f"moving {src} to {dst} would carry {path} ({where.describe()})",
+                    ))
 
     def _read_small(self, path: str, st: os.stat_result) -> bytes | None:
         """Content of a file small enough to analyse, else None."""
