@@ -16,6 +16,7 @@ import errno
 import functools
 import logging
 import os
+import resource
 import stat
 import threading
 import time
@@ -65,6 +66,10 @@ _STATE_NAME = "STATE.md"
 _VFH_BASE = 1 << 40
 
 _libc = ctypes.CDLL(None, use_errno=True)
+#: Descriptors kept free for the guard's own work once the agent's open files fill the
+#: table: the backing's directory cache (256), pre-image copies, the event log, the ledger
+#: and STATE.md writes, the control socket and its connections.
+FD_RESERVE = 1024
 # Operations whose new_files did not exist before.
 _CREATING = frozenset({"create", "mknod", "symlink"})
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC
@@ -177,6 +182,12 @@ class GuardFS(pyfuse3.Operations):
         self.timeout = cache_timeout
         self.xattrs = xattrs
         self._files: dict[int, _File] = {}
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            soft = 1 << 20
+        # Opens for the agent stop at this descriptor number (a quarter at most is kept).
+        self._fd_ceiling = soft - min(FD_RESERVE, soft // 4)
+        self._fd_short = False
         self._dirs: dict[int, _Dir] = {}
         self._next_dir = 1
         self._as_root = os.geteuid() == 0
@@ -306,6 +317,26 @@ class GuardFS(pyfuse3.Operations):
             return self.backing.lstat(path)
         except FileNotFoundError:
             return None
+
+    def _reserve_fd(self) -> None:
+        """Refuse a new open (ENFILE) once the guard's descriptors reach its reserve.
+
+        The kernel hands out the lowest free number, so a probe's number is how many
+        descriptors the whole process holds: the agent's open files, but also the sockets,
+        logs and caches no counter here sees.
+        """
+        probe = os.dup(self.backing.root_fd)
+        os.close(probe)
+        short = probe >= self._fd_ceiling
+        if short != self._fd_short:
+            self._fd_short = short
+            if short:
+                log.warning("%d descriptors in use: new opens are refused with ENFILE until some close "
+                            "(%d are kept for the guard)", probe, FD_RESERVE)
+            else:
+                log.warning("descriptors available again: opens are served")
+        if short:
+            raise FUSEError(errno.ENFILE)
 
     def _new_files(self, *candidates: tuple[str, Classification]) -> tuple[str, ...]:
         acct = self.accounting
@@ -752,6 +783,7 @@ class GuardFS(pyfuse3.Operations):
             new_files = self._new_files((entry.path, where)) if truncating and counted else ()
             request = Request("open", entry.path, where, writable, new_files=new_files)
             self._check(request)
+        self._reserve_fd()
         session = times = None
         if counted:  # the pre-image, before O_TRUNC takes it
             st = self._stat(entry)
@@ -787,6 +819,7 @@ class GuardFS(pyfuse3.Operations):
         _, path = self._child(parent_inode, name)
         where = self._where(path, None, False)
         request = self._mutation("create", path, where)
+        self._reserve_fd()
         self._pre(path)
         dir_fd, n = self.backing.parent(path)
         cflags = (flags & ~_STRIP_FLAGS) | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -970,6 +1003,8 @@ class GuardFS(pyfuse3.Operations):
         entry = self._entry(inode)
         if entry.where.scope is Scope.FORBIDDEN:
             self._check(Request("opendir", entry.path, entry.where, False))
+        if not entry.virtual:
+            self._reserve_fd()
         fd = -1 if entry.virtual else self.backing.open(entry.path, os.O_RDONLY | os.O_DIRECTORY)
         dh = self._next_dir
         self._next_dir += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,13 @@ def test_renaming_a_1200_deep_tree_keeps_the_guard_serving(tmp_path: Path) -> No
     run = tmp_path / "run"
     run.mkdir()
     store = tmp_path / "checkpoint"
+    try:
+        _rename_deep_tree(tmp_path, run, store)
+    finally:  # pytest's own clean-up of old temporary directories recurses: leave no deep tree
+        subprocess.run(["rm", "-rf", str(tmp_path / "backing")], check=True)
+
+
+def _rename_deep_tree(tmp_path: Path, run: Path, store: Path) -> None:
     with guarded_mount(tmp_path, run_dir=run) as g:
         # The pre-images walk the moving tree too (as under `guard run`).
         g.fs.preimages = PreImages(g.fs.backing, store)
