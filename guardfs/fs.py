@@ -107,6 +107,14 @@ def _command_name(pid: int) -> str:
         return ""
 
 
+def _shown(path: str) -> str:
+    """*path* for a text a person reads: unprintable characters (newlines, and the bytes
+    that are not UTF-8, which arrive as lone surrogates) as backslash escapes."""
+    if path.isprintable():
+        return path
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in path)
+
+
 def _join(parent: str, name: str) -> str:
     return f"{parent}/{name}" if parent else name
 
@@ -224,7 +232,7 @@ class GuardFS(pyfuse3.Operations):
         """STATE.md when no breaker renders it: the task, the scope and the counts."""
         m, lim = self.policy.manifest, self.limits
         max_files = "unlimited" if lim.max_files is None else lim.max_files
-        files = "".join(f"- {p}: {r.rewrites} rewrite(s)\n" for p, r in sorted(self.accounting.files.items()))
+        files = "".join(f"- {_shown(p)}: {r.rewrites} rewrite(s)\n" for p, r in sorted(self.accounting.files.items()))
         return (
             f"# guard state\n\n**Task {m.task.id}**: {m.task.goal}\n\n## Scope\n"
             f"- writes allowed in: {', '.join(m.paths.allowed) or 'nowhere (read-only)'}\n"
@@ -233,6 +241,10 @@ class GuardFS(pyfuse3.Operations):
             f"- denials so far: {self.events.counts['deny']}\n"
             + (f"\n## Files mutated\n{files}" if files else "")
         )
+
+    def _state_bytes(self) -> bytes:
+        """STATE.md as served; a name that is not UTF-8 shows as an escape, never fails the read."""
+        return self.state_text().encode("utf-8", "backslashreplace")
 
     def _vattr(self, entry: Entry) -> pyfuse3.EntryAttributes:
         attr = pyfuse3.EntryAttributes()
@@ -244,7 +256,7 @@ class GuardFS(pyfuse3.Operations):
         else:
             attr.st_mode = pyfuse3.ModeT(stat.S_IFREG | 0o444)
             attr.st_nlink = 1
-            attr.st_size = len(self.state_text().encode())
+            attr.st_size = len(self._state_bytes())
             attr.entry_timeout = attr.attr_timeout = 0  # its size changes with every event
         attr.st_uid, attr.st_gid = os.getuid(), os.getgid()
         attr.st_blksize = 4096
@@ -807,7 +819,7 @@ class GuardFS(pyfuse3.Operations):
             self._check(Request("open", entry.path, entry.where, True))
         fh = self._next_vh
         self._next_vh += 1
-        self._vhandles[fh] = self.state_text().encode()  # one consistent snapshot per open
+        self._vhandles[fh] = self._state_bytes()  # one consistent snapshot per open
         return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fh), direct_io=True)
 
     @_fuse_errors
