@@ -147,7 +147,9 @@ class WriteAccounting:
             rec.rewrites == 0 and rec.created and plan.change is None and not plan.counts
         )
         rec.rewrites += 1
-        if plan.new_hash is not None:
+        # The history holds committed versions: a write that left the content as it was
+        # adds none (so A, B, B, A is the cycle A, B, A).
+        if plan.new_hash is not None and not (rec.hashes and rec.hashes[-1] == plan.new_hash):
             rec.hashes.append(plan.new_hash)
 
     def forget_scratch(self, path: str) -> None:

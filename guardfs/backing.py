@@ -15,6 +15,7 @@ import errno
 import os
 import platform
 from collections import OrderedDict
+from collections.abc import Iterator
 
 __all__ = ["Backing", "openat2"]
 
@@ -92,6 +93,29 @@ class Backing:
             return os.stat(self.root_fd)
         parent, name = self.parent(path)
         return os.stat(name, dir_fd=parent, follow_symlinks=False)
+
+    def walk(self, path: str) -> Iterator[tuple[str, bool]]:
+        """Every path below directory *path*, parents before children, with whether it is a
+        directory; symlinks are not followed.
+
+        Iterative, with one directory open at a time: the agent decides how deep a tree is,
+        so neither the Python stack nor the descriptor table may grow with its depth. A tree
+        whose paths outgrow PATH_MAX raises OSError (ENAMETOOLONG), an errno for the caller.
+        """
+        stack = [path]
+        while stack:
+            top = stack.pop()
+            fd = openat2(self.root_fd, top or ".", os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                with os.scandir(fd) as it:
+                    listing = [(de.name, de.is_dir(follow_symlinks=False)) for de in it]
+            finally:
+                os.close(fd)
+            for name, is_dir in listing:
+                sub = f"{top}/{name}" if top else name
+                yield sub, is_dir
+                if is_dir:
+                    stack.append(sub)
 
     def proc_path(self, path: str) -> tuple[int, str]:
         """An O_PATH fd of *path* itself and its /proc/self/fd name, for calls with no *at form.

@@ -77,11 +77,8 @@ class PreImages:
     def before_tree(self, path: str) -> None:
         """Record *path* and everything beneath it (a directory about to move)."""
         self.before(path)
-        dir_fd, name = self.backing.parent(path)
-        for root, dirs, files, _fd in os.fwalk(name, dir_fd=dir_fd, follow_symlinks=False):
-            rel = root[len(name):].lstrip("/")
-            for entry in dirs + files:
-                self.before(f"{path}/{rel}/{entry}" if rel else f"{path}/{entry}")
+        for below, _is_dir in self.backing.walk(path):
+            self.before(below)
 
     def _write(self, record: dict[str, Any]) -> None:
         self._index.write(json.dumps(record) + "\n")
@@ -127,20 +124,18 @@ def _remove(backing: Backing, path: str) -> None:
         st = backing.lstat(path)
     except FileNotFoundError:
         return
-    if stat.S_ISDIR(st.st_mode):
-        fd = backing.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            entries = os.listdir(fd)
-        finally:
-            os.close(fd)
-        for entry in entries:
-            _remove(backing, f"{path}/{entry}")
-        dir_fd, name = backing.parent(path)
-        os.rmdir(name, dir_fd=dir_fd)
-        backing.forget_dirs()
-    else:
+    if not stat.S_ISDIR(st.st_mode):
         dir_fd, name = backing.parent(path)
         os.unlink(name, dir_fd=dir_fd)
+        return
+    # Children before parents: the walk's order reversed (no recursion on the tree's depth).
+    for below, is_dir in [*reversed(list(backing.walk(path))), (path, True)]:
+        dir_fd, name = backing.parent(below)
+        if is_dir:
+            os.rmdir(name, dir_fd=dir_fd)
+        else:
+            os.unlink(name, dir_fd=dir_fd)
+    backing.forget_dirs()
 
 
 def _at_checkpoint(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ import errno
 import functools
 import logging
 import os
+import resource
 import stat
 import threading
 import time
@@ -65,6 +66,10 @@ _STATE_NAME = "STATE.md"
 _VFH_BASE = 1 << 40
 
 _libc = ctypes.CDLL(None, use_errno=True)
+#: Descriptors kept free for the guard's own work once the agent's open files fill the
+#: table: the backing's directory cache (256), pre-image copies, the event log, the ledger
+#: and STATE.md writes, the control socket and its connections.
+FD_RESERVE = 1024
 # Operations whose new_files did not exist before.
 _CREATING = frozenset({"create", "mknod", "symlink"})
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC
@@ -102,6 +107,14 @@ def _command_name(pid: int) -> str:
         return ""
 
 
+def _shown(path: str) -> str:
+    """*path* for a text a person reads: unprintable characters (newlines, and the bytes
+    that are not UTF-8, which arrive as lone surrogates) as backslash escapes."""
+    if path.isprintable():
+        return path
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in path)
+
+
 def _join(parent: str, name: str) -> str:
     return f"{parent}/{name}" if parent else name
 
@@ -121,9 +134,12 @@ class _File:
     writable: bool
     session: WriteSession | None = None
     dirty: bool = False
-    # O_TRUNC held back until the first write is judged (a file near max_rewrites), so a
-    # refused rewrite does not leave the file emptied.
-    pending_truncate: bool = False
+    # Truncated in this session (O_TRUNC or ftruncate) and not written since. Such a content
+    # is never committed at a flush: the shell's `>` opens with O_TRUNC, dup2s and closes
+    # (a flush) before it writes, and the empty file in between is not a version of its own.
+    cut: bool = False
+    # (atime, mtime) at open, put back with the content when a refused rewrite is undone.
+    times: tuple[int, int] | None = None
     # Once a write on this handle is refused, its retries (a buffered writer flushing again
     # at close) are refused alike without asking again: one act, one judgement.
     refused: int = 0
@@ -174,6 +190,12 @@ class GuardFS(pyfuse3.Operations):
         self.timeout = cache_timeout
         self.xattrs = xattrs
         self._files: dict[int, _File] = {}
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            soft = 1 << 20
+        # Opens for the agent stop at this descriptor number (a quarter at most is kept).
+        self._fd_ceiling = soft - min(FD_RESERVE, soft // 4)
+        self._fd_short = False
         self._dirs: dict[int, _Dir] = {}
         self._next_dir = 1
         self._as_root = os.geteuid() == 0
@@ -210,7 +232,7 @@ class GuardFS(pyfuse3.Operations):
         """STATE.md when no breaker renders it: the task, the scope and the counts."""
         m, lim = self.policy.manifest, self.limits
         max_files = "unlimited" if lim.max_files is None else lim.max_files
-        files = "".join(f"- {p}: {r.rewrites} rewrite(s)\n" for p, r in sorted(self.accounting.files.items()))
+        files = "".join(f"- {_shown(p)}: {r.rewrites} rewrite(s)\n" for p, r in sorted(self.accounting.files.items()))
         return (
             f"# guard state\n\n**Task {m.task.id}**: {m.task.goal}\n\n## Scope\n"
             f"- writes allowed in: {', '.join(m.paths.allowed) or 'nowhere (read-only)'}\n"
@@ -219,6 +241,10 @@ class GuardFS(pyfuse3.Operations):
             f"- denials so far: {self.events.counts['deny']}\n"
             + (f"\n## Files mutated\n{files}" if files else "")
         )
+
+    def _state_bytes(self) -> bytes:
+        """STATE.md as served; a name that is not UTF-8 shows as an escape, never fails the read."""
+        return self.state_text().encode("utf-8", "backslashreplace")
 
     def _vattr(self, entry: Entry) -> pyfuse3.EntryAttributes:
         attr = pyfuse3.EntryAttributes()
@@ -230,7 +256,7 @@ class GuardFS(pyfuse3.Operations):
         else:
             attr.st_mode = pyfuse3.ModeT(stat.S_IFREG | 0o444)
             attr.st_nlink = 1
-            attr.st_size = len(self.state_text().encode())
+            attr.st_size = len(self._state_bytes())
             attr.entry_timeout = attr.attr_timeout = 0  # its size changes with every event
         attr.st_uid, attr.st_gid = os.getuid(), os.getgid()
         attr.st_blksize = 4096
@@ -303,6 +329,26 @@ class GuardFS(pyfuse3.Operations):
             return self.backing.lstat(path)
         except FileNotFoundError:
             return None
+
+    def _reserve_fd(self) -> None:
+        """Refuse a new open (ENFILE) once the guard's descriptors reach its reserve.
+
+        The kernel hands out the lowest free number, so a probe's number is how many
+        descriptors the whole process holds: the agent's open files, but also the sockets,
+        logs and caches no counter here sees.
+        """
+        probe = os.dup(self.backing.root_fd)
+        os.close(probe)
+        short = probe >= self._fd_ceiling
+        if short != self._fd_short:
+            self._fd_short = short
+            if short:
+                log.warning("%d descriptors in use: new opens are refused with ENFILE until some close "
+                            "(%d are kept for the guard)", probe, FD_RESERVE)
+            else:
+                log.warning("descriptors available again: opens are served")
+        if short:
+            raise FUSEError(errno.ENFILE)
 
     def _new_files(self, *candidates: tuple[str, Classification]) -> tuple[str, ...]:
         acct = self.accounting
@@ -492,6 +538,7 @@ class GuardFS(pyfuse3.Operations):
             if handle is not None and handle.writable:
                 os.ftruncate(handle.fd, attr.st_size)
                 handle.dirty = True
+                handle.cut = handle.session is not None
             else:
                 fd = self.backing.open(path, os.O_WRONLY)
                 try:
@@ -605,7 +652,14 @@ class GuardFS(pyfuse3.Operations):
         self._pre(path)
         dir_fd, n = self.backing.parent(path)
         os.unlink(n, dir_fd=dir_fd)
+        self._unnamed(st, path)
         self._done(request)
+
+    def _unnamed(self, st: os.stat_result, path: str) -> None:
+        """*path*, a name of the inode *st*, is gone: its other names (hard links) stay."""
+        entry = self.inodes.get(self.inodes.fuse_ino(st.st_ino))
+        if entry is not None and not entry.is_dir:
+            self.inodes.unlinked(entry, path)
 
     @_fuse_errors
     async def rmdir(
@@ -669,10 +723,7 @@ class GuardFS(pyfuse3.Operations):
             _renameat2(old_dir, old_name, new_dir, new_name, flags)
         else:
             os.rename(old_name, new_name, src_dir_fd=old_dir, dst_dir_fd=new_dir)
-        if exchange:
-            self.inodes.exchanged(src, dst)
-        else:
-            self.inodes.moved(self.inodes.get(self.inodes.fuse_ino(src_st.st_ino)), src, dst)
+        self._renamed(src, src_st, dst, dst_st, exchange)
         if src_dir or (dst_st is not None and stat.S_ISDIR(dst_st.st_mode)):
             self.backing.forget_dirs()
         if plan is not None:
@@ -682,22 +733,31 @@ class GuardFS(pyfuse3.Operations):
             acct.move(src, dst)
         self._done(request, **self._plan_detail(plan))
 
+    def _renamed(
+        self, src: str, src_st: os.stat_result, dst: str, dst_st: os.stat_result | None, exchange: bool
+    ) -> None:
+        """The inode table after a rename: names moved, a replaced name gone."""
+        if exchange:
+            self.inodes.exchanged(src, dst)
+        elif dst_st is not None and dst_st.st_ino == src_st.st_ino:
+            pass  # two names of one file: rename(2) does nothing, both names stay
+        else:
+            if dst_st is not None:
+                self._unnamed(dst_st, dst)
+            self.inodes.moved(self.inodes.get(self.inodes.fuse_ino(src_st.st_ino)), src, dst)
+
     def _check_carried(self, request: Request, src: str, dst: str) -> None:
         """Refuse moving a directory that holds a forbidden or protected path, or would
         put something of it under one."""
-        dir_fd, name = self.backing.parent(src)
-        for root, dirs, files, _fd in os.fwalk(name, dir_fd=dir_fd, follow_symlinks=False):
-            rel = root[len(name):].lstrip("/")
-            for n, is_dir in [(d, True) for d in dirs] + [(f, False) for f in files]:
-                sub = f"{rel}/{n}" if rel else n
-                for path in (f"{src}/{sub}", f"{dst}/{sub}"):
-                    where = self.policy.classify(path, is_dir)
-                    if where.scope in (Scope.FORBIDDEN, Scope.PROTECTED, Scope.GIT_CONFIG):
-                        err = errno.EACCES if where.scope is Scope.FORBIDDEN else errno.EROFS
-                        self._deny(request, Verdict(
-                            False, where.key, where.pattern, err,
-                            f"moving {src} to {dst} would carry {path} ({where.describe()})",
-                        ))
+        for below, is_dir in self.backing.walk(src):
+            for path in (below, dst + below[len(src):]):
+                where = self.policy.classify(path, is_dir)
+                if where.scope in (Scope.FORBIDDEN, Scope.PROTECTED, Scope.GIT_CONFIG):
+                    err = errno.EACCES if where.scope is Scope.FORBIDDEN else errno.EROFS
+                    self._deny(request, Verdict(
+                        False, where.key, where.pattern, err,
+                        f"moving {src} to {dst} would carry {path} ({where.describe()})",
+                    ))
 
     def _read_small(self, path: str, st: os.stat_result) -> bytes | None:
         """Content of a file small enough to analyse, else None."""
@@ -727,23 +787,31 @@ class GuardFS(pyfuse3.Operations):
         where = entry.where
         if where.scope is Scope.GIT_CONFIG or (writable and where.scope is not Scope.ALLOWED):
             where = self._where(entry.path, self._stat(entry), entry.is_dir)
+        truncating = bool(flags & os.O_TRUNC) and writable
+        counted = writable and where.scope.counted
+        request = None
         if where.scope is Scope.FORBIDDEN or writable:
-            self._check(Request("open", entry.path, where, writable))
-        session = None
-        defer = False
-        if writable and where.scope.counted:  # the pre-image, before O_TRUNC takes it
-            session = WriteSession(entry.path, self._read_small(entry.path, self._stat(entry)))
-            limit = self.limits.max_rewrites
-            defer = bool(flags & os.O_TRUNC) and limit is not None and self.accounting.hot(entry.path, limit)
+            # O_TRUNC changes the file at once: its blast radius is judged here, before that.
+            new_files = self._new_files((entry.path, where)) if truncating and counted else ()
+            request = Request("open", entry.path, where, writable, new_files=new_files)
+            self._check(request)
+        self._reserve_fd()
+        session = times = None
+        if counted:  # the pre-image, before O_TRUNC takes it
+            st = self._stat(entry)
+            session = WriteSession(entry.path, self._read_small(entry.path, st))
+            times = (st.st_atime_ns, st.st_mtime_ns)
         if writable:
             self._pre(entry.path)
-        fd = self._open_session_fd(entry.path, flags & ~(_STRIP_FLAGS | (os.O_TRUNC if defer else 0)), session)
+        fd = self._open_session_fd(entry.path, flags & ~_STRIP_FLAGS, session)
         st = os.fstat(fd)
         if st.st_ino != entry.backing_ino:
             os.close(fd)
             raise FUSEError(errno.ESTALE)
-        self._files[fd] = _File(fd, entry, writable, session, bool(flags & os.O_TRUNC), defer)
+        self._files[fd] = _File(fd, entry, writable, session, truncating, truncating and counted, times)
         entry.handles.add(fd)
+        if request is not None and request.new_files:
+            self._done(request)
         return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fd), keep_cache=True)
 
     def _open_virtual(self, entry: Entry, writable: bool) -> pyfuse3.FileInfo:
@@ -751,7 +819,7 @@ class GuardFS(pyfuse3.Operations):
             self._check(Request("open", entry.path, entry.where, True))
         fh = self._next_vh
         self._next_vh += 1
-        self._vhandles[fh] = self.state_text().encode()  # one consistent snapshot per open
+        self._vhandles[fh] = self._state_bytes()  # one consistent snapshot per open
         return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fh), direct_io=True)
 
     @_fuse_errors
@@ -763,6 +831,7 @@ class GuardFS(pyfuse3.Operations):
         _, path = self._child(parent_inode, name)
         where = self._where(path, None, False)
         request = self._mutation("create", path, where)
+        self._reserve_fd()
         self._pre(path)
         dir_fd, n = self.backing.parent(path)
         cflags = (flags & ~_STRIP_FLAGS) | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -793,7 +862,8 @@ class GuardFS(pyfuse3.Operations):
 
     @_fuse_errors
     async def write(self, fh: pyfuse3.FileHandleT, off: int, buf: bytes) -> int:
-        """Write; the first write of a session and any write that could oscillate are judged."""
+        """Write; the first write of a session, the first after a truncation and any write
+        that could oscillate are judged before they land."""
         f = self._files[fh]
         if f.refused:
             raise FUSEError(f.refused)
@@ -801,36 +871,60 @@ class GuardFS(pyfuse3.Operations):
         if session is not None:
             limit = self.limits.max_rewrites
             first = not f.dirty
-            hot = limit is not None and self.accounting.hot(session.path, limit)
-            if first or hot or f.pending_truncate:
+            # Content is judged only where a refusal can be undone: with the old content
+            # in hand (files too large to analyse are judged at open and first write only).
+            content = session.old is not None and (
+                f.cut or (limit is not None and self.accounting.hot(session.path, limit))
+            )
+            if first or content:
                 request = Request(
                     "write", session.path, f.entry.where, True,
                     new_files=self._new_files((session.path, f.entry.where)),
-                    rewrite=self._preview(f, off, buf) if hot or f.pending_truncate else None,
+                    rewrite=self._preview(f, off, buf) if content else None,
                 )
                 self._check_write(f, request)
                 if first:
                     self._done(request)
-                if f.pending_truncate:
-                    os.ftruncate(fh, 0)
-                    f.pending_truncate = False
+            f.cut = False
         elif not f.dirty:
             self.events.emit("write", f.entry.path, "allow", rule=f.entry.where.key)
         f.dirty = True
         return os.pwrite(fh, buf, off)
 
     def _check_write(self, f: _File, request: Request) -> None:
-        """Judge a write; after a refusal with O_TRUNC held back, the kernel (which believes
-        the file is now empty) is told to reload its attributes and pages."""
+        """Judge a write; a refusal undoes what this session did to the file."""
         try:
             self._check(request)
         except FUSEError as err:
             f.refused = err.errno
-            if f.pending_truncate:
-                ino = f.entry.ino
-                # Not from inside this request: the kernel may wait on it (deadlock).
-                threading.Thread(target=_invalidate, args=(ino,), daemon=True).start()
+            self._undo(f)
             raise
+
+    def _undo(self, f: _File) -> None:
+        """Put back the content (and times) the file had when this session began.
+
+        A refused rewrite leaves the file as it was, also when the session had already
+        truncated it (O_TRUNC) or written part of it. The kernel, which believes what the
+        session did, is told to reload the inode's attributes and pages.
+        """
+        session = f.session
+        if session is None or not f.dirty:
+            return  # nothing of this session reached the file
+        if session.old is None:
+            # Unreachable: such sessions are not judged once they have changed the file.
+            log.error("cannot undo the refused rewrite of %r: its old content was too large to keep",
+                      session.path)
+            return
+        os.ftruncate(f.fd, 0)
+        view = memoryview(session.old)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(f.fd, view[done:], done)
+        if f.times is not None:
+            os.utime(f.fd, ns=f.times)
+        f.dirty = f.cut = False
+        # Not from inside this request: the kernel may wait on it (deadlock).
+        threading.Thread(target=_invalidate, args=(f.entry.ino,), daemon=True).start()
 
     def _open_session_fd(self, path: str, flags: int, session: WriteSession | None) -> int:
         """Open the backing file; a write session also needs to read it back, so a
@@ -844,8 +938,6 @@ class GuardFS(pyfuse3.Operations):
 
     def _current(self, f: _File) -> bytes | None:
         """The file's content now (read through the open fd), if small enough to analyse."""
-        if f.pending_truncate:
-            return b""
         if f.session is None or f.session.old is None:
             return None
         size = os.fstat(f.fd).st_size
@@ -872,31 +964,28 @@ class GuardFS(pyfuse3.Operations):
         session's counts.
         """
         if fh < _VFH_BASE:
-            self._end_session(self._files[fh])
+            self._end_session(self._files[fh], final=False)
 
-    def _end_session(self, f: _File) -> None:
+    def _end_session(self, f: _File, final: bool) -> None:
+        """Commit the session's rewrite, from its old content to what the file holds now."""
         session = f.session
         if session is None or not f.dirty:
             return
-        if f.refused:  # the session's write was refused: nothing of it landed, nothing to count
-            f.dirty = f.pending_truncate = False
+        if f.refused:  # the session's write was refused and undone: nothing to count
+            f.dirty = f.cut = False
             return
-        if f.pending_truncate:  # opened with O_TRUNC, closed without writing: empty it now
-            request = Request(
-                "truncate", session.path, f.entry.where, True,
-                rewrite=self.accounting.plan_rewrite(session.path, session.old, b""),
-            )
-            f.dirty = False
-            self._check_write(f, request)
-            os.ftruncate(f.fd, 0)
-            f.pending_truncate = False
+        if f.cut and not final:
+            return  # truncated and not yet written: the writes to come complete this rewrite
         new = self._current(f)
         plan = self.accounting.plan_rewrite(session.path, session.old, new)
         self.accounting.commit_rewrite(plan, session.old)
         self.events.emit("rewrite", session.path, "allow", rule=f.entry.where.key, **self._plan_detail(plan))
         self.decider.committed(Request("rewrite", session.path, f.entry.where, True, rewrite=plan))
         session.old = new  # writes through a dup of this handle start a new session
-        f.dirty = False
+        f.dirty = f.cut = False
+        if f.times is not None:
+            st = os.fstat(f.fd)
+            f.times = (st.st_atime_ns, st.st_mtime_ns)
 
     @_fuse_errors
     async def release(self, fh: pyfuse3.FileHandleT) -> None:
@@ -906,7 +995,7 @@ class GuardFS(pyfuse3.Operations):
             return
         f = self._files.pop(fh)
         try:
-            self._end_session(f)
+            self._end_session(f, final=True)
         except FUSEError:
             pass  # release has no caller to tell; flush already reported the refusal
         finally:
@@ -926,6 +1015,8 @@ class GuardFS(pyfuse3.Operations):
         entry = self._entry(inode)
         if entry.where.scope is Scope.FORBIDDEN:
             self._check(Request("opendir", entry.path, entry.where, False))
+        if not entry.virtual:
+            self._reserve_fd()
         fd = -1 if entry.virtual else self.backing.open(entry.path, os.O_RDONLY | os.O_DIRECTORY)
         dh = self._next_dir
         self._next_dir += 1

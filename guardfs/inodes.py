@@ -2,8 +2,10 @@
 
 FUSE inode numbers are the backing filesystem's own, with the root swapped to
 ``pyfuse3.ROOT_INODE``, so hard links share one entry and tools that compare ``st_ino``
-(git, find) see stable numbers. An entry lives while the kernel holds a lookup on it (or a
-file handle is open) and is dropped when both reach zero.
+(git, find) see stable numbers. A file's entry keeps every name it is known by (its hard
+links), so that removing or replacing one name leaves the others working. An entry lives
+while the kernel holds a lookup on it (or a file handle is open) and is dropped when both
+reach zero.
 """
 
 from __future__ import annotations
@@ -42,6 +44,20 @@ class Entry:
     lookups: int = 0
     handles: set[int] = field(default_factory=set)  # open file fds on this inode
     virtual: bool = False  # served by guardfs itself (.guard/), never forgotten
+    # The file's other known names (hard links); `path` is the one most recently learnt.
+    aliases: set[str] = field(default_factory=set)
+
+    def rebase(self, old: str, new: str) -> None:
+        """Names at or below *old* now live below *new* (a directory moved)."""
+        self.path = _rebased(self.path, old, new)
+        if self.aliases:
+            self.aliases = {_rebased(a, old, new) for a in self.aliases}
+
+
+def _rebased(path: str, old: str, new: str) -> str:
+    if path == old or path.startswith(old + "/"):
+        return new + path[len(old):]
+    return path
 
 
 class InodeTable:
@@ -92,6 +108,9 @@ class InodeTable:
             where = where or self.policy.classify(path, is_dir)
             if is_dir or _STRICTNESS[where.scope] <= _STRICTNESS[entry.where.scope]:
                 entry.where = where
+            if not is_dir:  # another hard link: the old name stays valid
+                entry.aliases.add(entry.path)
+                entry.aliases.discard(path)
             entry.path = path
         entry.lookups += 1
         return entry
@@ -120,27 +139,46 @@ class InodeTable:
         if entry.ino in self._entries:
             self._drop_if_unused(entry)
 
+    def unlinked(self, entry: Entry, path: str) -> None:
+        """The name *path* of *entry* is gone (unlinked, or replaced by a rename)."""
+        if entry.path == path:
+            if not entry.aliases:
+                return  # its last known name: the entry lives on only through open handles
+            entry.path = min(entry.aliases)
+        entry.aliases.discard(path)
+
     def moved(self, entry: Entry | None, old: str, new: str) -> None:
         """The object at *old* (entry, if known) now lives at *new*; reclassify what moved.
 
         A directory drags every known path below it along.
         """
         if entry is not None and not entry.is_dir:
+            entry.aliases.discard(old)
+            if entry.path != old:
+                entry.aliases.add(entry.path)
+            entry.aliases.discard(new)
             entry.path = new
             entry.where = self.policy.classify(new, False)
             return
         prefix = old + "/"
         for e in self._entries.values():
-            if not e.virtual and (e.path == old or e.path.startswith(prefix)):
-                e.path = new + e.path[len(old):]
+            if e.virtual:
+                continue
+            if e.path == old or e.path.startswith(prefix) or any(
+                a.startswith(prefix) for a in e.aliases
+            ):
+                e.rebase(old, new)
                 e.where = self.policy.classify(e.path, e.is_dir)
 
     def exchanged(self, a: str, b: str) -> None:
         """RENAME_EXCHANGE swapped whatever lived at *a* and *b*."""
-        under_a = [e for e in self._entries.values() if e.path == a or e.path.startswith(a + "/")]
-        under_b = [e for e in self._entries.values() if e.path == b or e.path.startswith(b + "/")]
-        for group, old, new in ((under_a, a, b), (under_b, b, a)):
-            for e in group:
-                e.path = new + e.path[len(old):]
+        swap = "\0"  # no name holds NUL: a parking place while the two trade places
+        for old, new in ((a, swap), (b, a), (swap, b)):
+            for e in self._entries.values():
+                if not e.virtual and (e.path == old or e.path.startswith(old + "/") or any(
+                    x == old or x.startswith(old + "/") for x in e.aliases
+                )):
+                    e.rebase(old, new)
+        for e in self._entries.values():
+            if not e.virtual and (e.path in (a, b) or e.path.startswith((a + "/", b + "/"))):
                 e.where = self.policy.classify(e.path, e.is_dir)
-

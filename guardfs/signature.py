@@ -64,7 +64,9 @@ def _python_units(data: bytes) -> Mapping[str, tuple[str, ...]] | None:
     try:
         text = data.decode("utf-8")
         tree = ast.parse(text)
-    except (UnicodeDecodeError, SyntaxError, ValueError):
+    except (UnicodeDecodeError, SyntaxError, ValueError, RecursionError, MemoryError):
+        # RecursionError and MemoryError are how the parser refuses nesting too deep for
+        # it ("1+1+...+1", "-----1"): such a file falls back to line regions.
         return None
     lines = text.splitlines()
     owner: list[str] = ["<module>"] * len(lines)

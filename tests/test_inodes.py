@@ -53,3 +53,62 @@ def test_open_files_outlive_their_lookups(tmp_path: Path) -> None:
             # Unlinked but open: attributes come from the open descriptor.
             assert os.fstat(f.fileno()).st_size == len("still here")
         wait_for(lambda: all(e.path != "work/held" for e in g.fs.inodes), "the unlinked file's entry to go")
+
+
+def _survivor_works(mnt: Path, name: str, content: bytes) -> None:
+    """stat, open and link of *name*: each reaches the server with that inode."""
+    a = mnt / name
+    assert os.stat(a).st_size == len(content)
+    assert a.read_bytes() == content
+    with open(a, "ab") as f:  # opened for write too: the session reads it back by path
+        f.write(b"+")
+    assert a.read_bytes() == content + b"+"
+    os.link(a, mnt / "work/c")
+    assert os.stat(mnt / "work/c").st_ino == os.stat(a).st_ino
+    assert os.stat(a).st_nlink == 2
+
+
+def test_hard_link_survives_unlink_of_its_other_name(tmp_path: Path) -> None:
+    """create a; link a b; unlink b: a still works (the table knew the inode only as b)."""
+    with guarded_mount(tmp_path) as g:
+        work = g.mnt / "work"
+        work.mkdir()
+        (work / "a").write_bytes(b"data")
+        os.link(work / "a", work / "b")
+        os.unlink(work / "b")
+        _survivor_works(g.mnt, "work/a", b"data")
+        # And the other way round: the name the table learnt last is the one that stays.
+        os.unlink(work / "a")
+        assert (work / "c").read_bytes() == b"data+"
+
+
+def test_hard_link_survives_rename_onto_its_other_name(tmp_path: Path) -> None:
+    """create a; link a d; rename s d: a still works (d now names another file)."""
+    with guarded_mount(tmp_path) as g:
+        work = g.mnt / "work"
+        work.mkdir()
+        (work / "a").write_bytes(b"data")
+        os.link(work / "a", work / "d")
+        (work / "s").write_bytes(b"other")
+        os.rename(work / "s", work / "d")
+        assert (work / "d").read_bytes() == b"other"
+        _survivor_works(g.mnt, "work/a", b"data")
+
+
+def test_hard_link_renames_keep_every_name(tmp_path: Path) -> None:
+    """Renaming one name of a linked file, or its directory, keeps the other names working."""
+    with guarded_mount(tmp_path) as g:
+        work = g.mnt / "work"
+        (work / "sub").mkdir(parents=True)
+        (work / "a").write_bytes(b"data")
+        os.link(work / "a", work / "sub/b")
+        os.rename(work / "sub", work / "moved")  # the name the table knows moves along
+        os.rename(work / "a", work / "a2")
+        os.link(work / "moved/b", work / "e")
+        os.unlink(work / "moved/b")
+        os.unlink(work / "e")
+        _survivor_works(g.mnt, "work/a2", b"data")
+        os.rename(work / "a2", work / "c")  # a rename onto another name of the same inode:
+        assert (work / "a2").exists()  # POSIX does nothing, both names stay
+        os.unlink(work / "c")
+        assert (work / "a2").read_bytes() == b"data+"

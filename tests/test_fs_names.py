@@ -1,0 +1,46 @@
+"""File names that are not UTF-8 travel through the mount losslessly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from .conftest import guarded_mount
+
+NAME = b"src/checkout/\xff"
+PATH = os.fsdecode(NAME)  # "src/checkout/\udcff": the byte kept as a lone surrogate
+
+
+def test_a_name_that_is_not_utf8_reaches_accounting_and_events(tmp_path: Path) -> None:
+    (tmp_path / "backing/src/checkout").mkdir(parents=True)
+    with guarded_mount(tmp_path) as g:
+        mnt = os.fsencode(g.mnt)
+        done = subprocess.run(["touch", mnt + b"/" + NAME], capture_output=True, check=False)
+        assert (done.returncode, done.stderr) == (0, b"")
+        assert os.path.exists(os.fsencode(g.backing) + b"/" + NAME)  # the very bytes, on disk
+        with open(mnt + b"/" + NAME, "ab") as f:
+            f.write(b"x = 1\n")
+        with open(mnt + b"/" + NAME, "wb") as f:
+            f.write(b"x = 2\n")
+        assert os.listdir(mnt + b"/src/checkout") == [b"\xff"]
+        assert PATH in g.fs.accounting.files and g.fs.accounting.files[PATH].rewrites == 3  # touch, append, rewrite
+        events = [e for e in g.events() if e["path"] == PATH]
+        assert {e["op"] for e in events} >= {"create", "rewrite"}
+        # events.jsonl escapes it; decoded, it is the same str, and fsencode gives the bytes back.
+        assert os.fsencode(events[0]["path"]) == NAME
+        assert b"\\udcff" in (g.events_path).read_bytes()
+        # STATE.md names it without failing the read (a byte escape, never the raw byte).
+        state = (g.mnt / ".guard/STATE.md").read_bytes()
+        assert b"src/checkout/\\udcff" in state
+        state.decode("utf-8")
+        os.rename(mnt + b"/" + NAME, mnt + b"/src/checkout/\xfe")
+        os.unlink(mnt + b"/src/checkout/\xfe")
+        assert json.loads(g.events_path.read_text().splitlines()[-1])["path"] == "src/checkout/\udcfe"
+        # Out of scope, it is refused like any name, and the denial names it.
+        done = subprocess.run(["touch", mnt + b"/out\xff"], capture_output=True, check=False)
+        assert done.returncode != 0 and b"Read-only file system" in done.stderr
+        denial = g.denials()[-1]
+        assert denial["path"] == "out\udcff" and denial["rule"] == "not in paths.allowed"
+        assert "out\udcff is outside the task's scope" in denial["reason"]
