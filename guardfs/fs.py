@@ -39,7 +39,7 @@ from guardfs.decision import (
     Verdict,
     policy_verdict,
 )
-from guardfs.events import EventLog
+from guardfs.events import EventLog, md_text
 from guardfs.inodes import Entry, InodeTable
 from guardfs.manifest import Manifest
 from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope
@@ -105,14 +105,6 @@ def _command_name(pid: int) -> str:
             return f.read().strip()
     except OSError:
         return ""
-
-
-def _shown(path: str) -> str:
-    """*path* for a text a person reads: unprintable characters (newlines, and the bytes
-    that are not UTF-8, which arrive as lone surrogates) as backslash escapes."""
-    if path.isprintable():
-        return path
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in path)
 
 
 def _join(parent: str, name: str) -> str:
@@ -232,7 +224,7 @@ class GuardFS(pyfuse3.Operations):
         """STATE.md when no breaker renders it: the task, the scope and the counts."""
         m, lim = self.policy.manifest, self.limits
         max_files = "unlimited" if lim.max_files is None else lim.max_files
-        files = "".join(f"- {_shown(p)}: {r.rewrites} rewrite(s)\n" for p, r in sorted(self.accounting.files.items()))
+        files = "".join(f"- {md_text(p)}: {r.rewrites} rewrite(s)\n" for p, r in sorted(self.accounting.files.items()))
         return (
             f"# guard state\n\n**Task {m.task.id}**: {m.task.goal}\n\n## Scope\n"
             f"- writes allowed in: {', '.join(m.paths.allowed) or 'nowhere (read-only)'}\n"
