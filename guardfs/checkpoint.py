@@ -215,6 +215,13 @@ class PreImages:
         self._index.write(json.dumps(record) + "\n")
         self._index.flush()
 
+    def statistics(self) -> dict[str, int]:
+        """Copies in progress, requests waiting for one, and bytes of data kept (or being
+        copied) since the checkpoint."""
+        running = [c for c in self._pending.values() if c.done is not None and not c.done.is_set()]
+        waiting = sum(c.done.statistics().tasks_waiting for c in running if c.done is not None)
+        return {"copying": len(running), "waiting": waiting, "bytes": self.used}
+
     def checkpoint(self) -> None:
         """The workspace is known-good: forget older pre-images and start afresh."""
         self._pending = {}  # copies not started are dropped: their requests record the paths again

@@ -12,7 +12,6 @@ bounded chunks: neither a whole log nor a whole line is ever held in memory.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -22,9 +21,10 @@ __all__ = ["DIGEST_LIMIT", "LOG_MAX_BYTES", "Recorder", "digest"]
 DIGEST_LIMIT = 1200
 #: The default cap of one log (the manifest's ``[sandbox] log_max_bytes``).
 LOG_MAX_BYTES = 64 << 20
-_FAILING = re.compile(
-    rb"(error|fail|assert|traceback|exception|panic|fatal|denied|refused|not found|segmentation)", re.IGNORECASE
-)
+# Words that mark a failing line, in any case. Searched with bytes.find on the lowered
+# text: a regex alternation scanned a 64 MiB log at ~15 MB/s, this at memchr speed.
+_FAILING = (b"error", b"fail", b"assert", b"traceback", b"exception", b"panic", b"fatal", b"denied",
+            b"refused", b"not found", b"segmentation")
 _OVERLAP = 16  # longer than any word of _FAILING, so one split across two chunks is still found
 _CHUNK = 1 << 16
 _LINE_KEEP = 1024  # bytes of a line kept for the digest, which shows at most 200 characters of one
@@ -171,7 +171,8 @@ def _lines(f: BinaryIO) -> Iterator[tuple[bytes, bool]]:
                 kept += piece[: _LINE_KEEP - len(kept)]
             if not matched:
                 window = carry + piece
-                matched = _FAILING.search(window) is not None
+                low = window.lower()
+                matched = any(word in low for word in _FAILING)
                 carry = window[-_OVERLAP:]
             if nl < 0:
                 break

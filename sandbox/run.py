@@ -165,7 +165,7 @@ def _keep_exec_logs(stage: Path, run_dir: Path) -> None:
     staged, dest = stage / "exec", run_dir / "exec"
     if stage == run_dir or not staged.is_dir():
         return
-    dest.mkdir(exist_ok=True)
+    dest.mkdir(mode=0o755, exist_ok=True)
     for entry in staged.iterdir():
         shutil.move(entry, dest / entry.name)
     staged.rmdir()
@@ -218,7 +218,7 @@ def _agent_argv(
         return _agent_command(opts), mnt / rel, env
     cwd = opts.workspace / rel
     exec_logs = mnt.parent / "exec"  # in the run directory, or the staging one for another user
-    exec_logs.mkdir(exist_ok=True)
+    exec_logs.mkdir(mode=0o755, exist_ok=True)
     if opts.user is not None:
         pw = pwd.getpwnam(opts.user)
         os.chown(exec_logs, pw.pw_uid, pw.pw_gid)
