@@ -197,7 +197,8 @@ class GuardFS(pyfuse3.Operations):
         self._vhandles: dict[int, bytes] = {}
         self._next_vh = _VFH_BASE
         self._started_ns = time.time_ns()
-        self.preimages = PreImages(self.backing, checkpoint_dir) if checkpoint_dir is not None else None
+        self.preimages = None if checkpoint_dir is None else PreImages(
+            self.backing, checkpoint_dir, manifest.sandbox.checkpoint_max_bytes, events.emit)
         # A repository the agent creates during the run may configure itself (git init
         # rewrites its config several times); one that was there before may not.
         try:
@@ -393,21 +394,21 @@ class GuardFS(pyfuse3.Operations):
         self._check(request)
         return request
 
-    def _pre(self, *paths: str) -> None:
-        """Keep the pre-image of each path before its first change since the checkpoint."""
+    async def _pre(self, *paths: str) -> None:
+        """Keep the pre-image of each path before its first change since the checkpoint
+        (a file's bytes are copied off the loop; this request waits, others go on)."""
         if self.preimages is not None:
-            for path in paths:
-                self.preimages.before(path)
+            await self.preimages.keep(*paths)
 
-    def _pre_move(self, *ends: tuple[str, os.stat_result | None]) -> None:
+    async def _pre_move(self, *ends: tuple[str, os.stat_result | None]) -> None:
         """Pre-images for a rename: a directory that moves takes its whole tree along."""
         if self.preimages is None:
             return
         for path, st in ends:
             if st is not None and stat.S_ISDIR(st.st_mode):
-                self.preimages.before_tree(path)
+                await self.preimages.keep_tree(path)
             else:
-                self.preimages.before(path)
+                await self.preimages.keep(path)
 
     def rollback(self) -> list[str]:
         """Restore the workspace to the last checkpoint and make the kernel forget what it
@@ -431,13 +432,13 @@ class GuardFS(pyfuse3.Operations):
         if self._as_root and (ctx.uid, ctx.gid) != (0, 0):
             os.chown(name, ctx.uid, ctx.gid, dir_fd=dir_fd, follow_symlinks=False)
 
-    def _created(
+    async def _created(
         self, op: str, path: str, where: Classification, ctx: pyfuse3.RequestContext,
         make: Callable[[int, str], None],
     ) -> pyfuse3.EntryAttributes:
         """Judge, create with *make(dir_fd, name)*, and hand the new entry to the kernel."""
         request = self._mutation(op, path, where, counts=op != "mkdir")
-        self._pre(path)
+        await self._pre(path)
         dir_fd, name = self.backing.parent(path)
         make(dir_fd, name)
         self._chown_new(name, dir_fd, ctx)
@@ -525,7 +526,7 @@ class GuardFS(pyfuse3.Operations):
             op = "utimes"
         where = self._where(path, st, entry.is_dir)
         request = self._mutation(op, path, where)
-        self._pre(path)
+        await self._pre(path)
         if fields.update_size:
             if handle is not None and handle.writable:
                 os.ftruncate(handle.fd, attr.st_size)
@@ -580,7 +581,7 @@ class GuardFS(pyfuse3.Operations):
             raise FUSEError(UNSUPPORTED["mknod (block/char device)"])
         _, path = self._child(parent_inode, name)
         where = self._where(path, None, False)
-        return self._created(
+        return await self._created(
             "mknod", path, where, ctx, lambda d, n: os.mknod(n, mode, 0, dir_fd=d)
         )
 
@@ -592,7 +593,7 @@ class GuardFS(pyfuse3.Operations):
         """Create a directory (directories do not count toward the blast radius)."""
         _, path = self._child(parent_inode, name)
         where = self._where(path, None, True)
-        return self._created("mkdir", path, where, ctx, lambda d, n: os.mkdir(n, mode, dir_fd=d))
+        return await self._created("mkdir", path, where, ctx, lambda d, n: os.mkdir(n, mode, dir_fd=d))
 
     @_fuse_errors
     async def symlink(
@@ -602,7 +603,7 @@ class GuardFS(pyfuse3.Operations):
         """Create a symlink; only its own name is judged, the kernel judges what it reaches."""
         _, path = self._child(parent_inode, name)
         where = self._where(path, None, False)
-        return self._created(
+        return await self._created(
             "symlink", path, where, ctx, lambda d, n: os.symlink(os.fsdecode(target), n, dir_fd=d)
         )
 
@@ -623,7 +624,7 @@ class GuardFS(pyfuse3.Operations):
             new_files=self._new_files((path, target_where)),
         )
         self._check(request)
-        self._pre(path)
+        await self._pre(path)
         src_dir, src_name = self.backing.parent(entry.path)
         dst_dir, dst_name = self.backing.parent(path)
         os.link(src_name, dst_name, src_dir_fd=src_dir, dst_dir_fd=dst_dir, follow_symlinks=False)
@@ -641,7 +642,7 @@ class GuardFS(pyfuse3.Operations):
         self._refuse_guard_dir("unlink", path)
         st = self.backing.lstat(path)
         request = self._mutation("unlink", path, self._where(path, st, False))
-        self._pre(path)
+        await self._pre(path)
         dir_fd, n = self.backing.parent(path)
         os.unlink(n, dir_fd=dir_fd)
         self._unnamed(st, path)
@@ -662,7 +663,7 @@ class GuardFS(pyfuse3.Operations):
         self._refuse_guard_dir("rmdir", path)
         st = self.backing.lstat(path)
         request = self._mutation("rmdir", path, self._where(path, st, True), counts=False)
-        self._pre(path)
+        await self._pre(path)
         dir_fd, n = self.backing.parent(path)
         os.rmdir(n, dir_fd=dir_fd)
         self.backing.forget_dirs()
@@ -708,7 +709,7 @@ class GuardFS(pyfuse3.Operations):
             self._check_carried(request, src, dst)
             if exchange:
                 self._check_carried(request, dst, src)
-        self._pre_move((src, src_st), (dst, dst_st))
+        await self._pre_move((src, src_st), (dst, dst_st))
         old_dir, old_name = self.backing.parent(src)
         new_dir, new_name = self.backing.parent(dst)
         if flags:
@@ -794,7 +795,7 @@ class GuardFS(pyfuse3.Operations):
             session = WriteSession(entry.path, self._read_small(entry.path, st))
             times = (st.st_atime_ns, st.st_mtime_ns)
         if writable:
-            self._pre(entry.path)
+            await self._pre(entry.path)
         fd = self._open_session_fd(entry.path, flags & ~_STRIP_FLAGS, session)
         st = os.fstat(fd)
         if st.st_ino != entry.backing_ino:
@@ -824,7 +825,7 @@ class GuardFS(pyfuse3.Operations):
         where = self._where(path, None, False)
         request = self._mutation("create", path, where)
         self._reserve_fd()
-        self._pre(path)
+        await self._pre(path)
         dir_fd, n = self.backing.parent(path)
         cflags = (flags & ~_STRIP_FLAGS) | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         if where.scope.counted and cflags & os.O_ACCMODE == os.O_WRONLY:

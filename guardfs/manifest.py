@@ -274,6 +274,26 @@ class SandboxSettings(_Strict):
         ),
     )
 
+    # ----- what a run may record on the host's disk ---------------------------------
+    log_max_bytes: Annotated[int, Field(ge=4096, le=1 << 40)] = Field(
+        default=64 << 20,
+        description=(
+            "The most each recorded log keeps, in bytes: the agent's stdout.log and stderr.log "
+            "and each guard exec log. Over it, a log keeps its first half and its last half, with "
+            "one marker line between them saying how many bytes were left out; the run summary "
+            "says so. Default 64 MiB."
+        ),
+    )
+    checkpoint_max_bytes: Annotated[int, Field(ge=0, le=1 << 50)] = Field(
+        default=1 << 30,
+        description=(
+            "The most the pre-images kept since the last checkpoint (RUN_DIR/checkpoint/) may "
+            "take, in bytes of file data (holes of sparse files cost nothing). A file whose copy "
+            "would pass it is recorded as not restorable: an event says so when it happens, and "
+            "guard rollback names it and leaves it as it is. Default 1 GiB; 0 keeps no file copies."
+        ),
+    )
+
 
 class Record(_Strict):
     """How much the guard records about a run: bounds on what the agent can make it write.

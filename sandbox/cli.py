@@ -343,8 +343,23 @@ def _cmd_rollback_offline(run_dir: Path) -> int:
     if not marker.exists() or not (run_dir / "checkpoint").is_dir():
         print(f"guard rollback: {run_dir} is not the run directory of a guard run", file=sys.stderr)
         return Exit.USAGE
-    restored = rollback_offline(marker.read_text().strip(), run_dir / "checkpoint")
-    print(f"restored {len(restored)} path(s) to the last checkpoint")
+    rollback_offline(marker.read_text().strip(), run_dir / "checkpoint")
+    return _say_rolled_back(run_dir)
+
+
+def _say_rolled_back(run_dir: Path) -> int:
+    """Report the last rollback of *run_dir*, naming each file it could not restore."""
+    from guardfs.checkpoint import last_rollback
+
+    done = last_rollback(run_dir / "checkpoint")
+    if done is None:  # a guard of an older version: it kept no account
+        print("restored the workspace to the last checkpoint")
+        return Exit.OK
+    print(f"restored {len(done.restored)} path(s) to the last checkpoint")
+    for path in done.not_restorable:
+        shown = path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        print(f"NOT restored: {shown} (its pre-image would have passed [sandbox] checkpoint_max_bytes; "
+              "it is left as it is)")
     return Exit.OK
 
 
@@ -361,8 +376,7 @@ def _cmd_control(args: argparse.Namespace) -> int:
         except GuardClientError as err:
             print(f"guard rollback: {err}", file=sys.stderr)
             return Exit.USAGE
-        print(f"restored {reply['restored']} path(s) to the last checkpoint")
-        return Exit.OK
+        return _say_rolled_back(Path(args.run_dir))
     try:
         with GuardClient(control_socket_path(args.run_dir)) as guard:
             if args.verb == "status":

@@ -1,7 +1,10 @@
 """``guard exec -- CMD``: one tool command, quarantined, reported to the breaker.
 
 Inside ``guard run`` an agent (or its harness) runs test and build commands through it:
-the full output goes to logs under ``$GUARD_RUN_DIR/exec/``, the console gets a digest
+the output goes to logs under ``$GUARD_RUN_DIR/exec/`` (under ``guard run``, a directory
+of the run directory on the host, bound into the sandbox, so the logs outlive the run),
+each capped at ``$GUARD_LOG_MAX_BYTES`` (head and tail kept, as the agent's own logs; the
+manifest's ``[sandbox] log_max_bytes``), the console gets a digest
 (exit status, the failing lines in at most 1,200 characters, the logs' paths), and the
 exit status goes to the breaker as a ``tool_result`` (consecutive failures, stagnation; a
 passing test marks a checkpoint). ``--live`` also streams the output as it comes.
@@ -20,7 +23,8 @@ from pathlib import Path
 from typing import IO
 
 from sandbox.client import GuardClient, GuardClientError
-from sandbox.quarantine import Recorder, digest
+from sandbox.exitcodes import Exit
+from sandbox.quarantine import LOG_MAX_BYTES, Recorder, digest
 
 __all__ = ["run_exec"]
 
@@ -34,6 +38,9 @@ def _pump(stream: IO[bytes], recorder: Recorder) -> None:
 
 def run_exec(command: list[str], live: bool = False) -> int:
     """Run *command*; returns its exit status (127 when it cannot start)."""
+    cap = _log_cap()
+    if cap is None:
+        return Exit.USAGE
     base = Path(os.environ.get("GUARD_RUN_DIR") or tempfile.gettempdir()) / "exec"
     base.mkdir(parents=True, exist_ok=True)
     stem = base / f"{time.strftime('%H%M%S')}-{os.getpid()}"
@@ -48,8 +55,8 @@ def run_exec(command: list[str], live: bool = False) -> int:
     else:
         assert proc.stdout is not None
         assert proc.stderr is not None
-        pumps = [threading.Thread(target=_pump, args=(proc.stdout, Recorder(out_log, echo_out))),
-                 threading.Thread(target=_pump, args=(proc.stderr, Recorder(err_log, echo_err)))]
+        pumps = [threading.Thread(target=_pump, args=(proc.stdout, Recorder(out_log, echo_out, cap))),
+                 threading.Thread(target=_pump, args=(proc.stderr, Recorder(err_log, echo_err, cap)))]
         for t in pumps:
             t.start()
         code = proc.wait()
@@ -59,6 +66,19 @@ def run_exec(command: list[str], live: bool = False) -> int:
     print(digest(f"{shlex.join(command)} exited with status {status}", [out_log, err_log]), flush=True)
     _report(command, status)
     return status
+
+
+def _log_cap() -> int | None:
+    """The cap of each log: what guard run passes in the environment, else the default;
+    None (said on stderr) when the variable is not a byte count."""
+    raw = os.environ.get("GUARD_LOG_MAX_BYTES", "")
+    if not raw:
+        return LOG_MAX_BYTES
+    if raw.isdigit() and len(raw) < 20 and int(raw) >= 2:
+        return int(raw)
+    print(f"guard exec: GUARD_LOG_MAX_BYTES={raw[:40]!r} is not a byte count (at least 2); unset it, "
+          "or set it as guard run does", file=sys.stderr)
+    return None
 
 
 def _report(command: list[str], status: int) -> None:

@@ -3,7 +3,9 @@
 Inside the sandbox the agent sees the host read-only, a private /tmp, a fresh /proc of
 its own PID namespace (the guard is invisible there), the guarded mount at the workspace's
 own path (covering the real directory), and the agent socket at ``/tmp/guard/agent.sock``.
-The run directory (control socket, ledger, logs) is covered by an empty tmpfs. As root,
+The run directory (control socket, ledger, logs) is covered by an empty tmpfs; only its
+``exec/`` directory is bound writable at ``/tmp/guard/exec``, where ``guard exec`` keeps its
+logs, so they land on the host and outlive the run. As root,
 every capability is dropped. The last step, :mod:`sandbox.enter`, adds Landlock (writes
 only beneath the workspace, /tmp, /dev and declared extras) and no_new_privs.
 """
@@ -132,13 +134,16 @@ def bwrap_argv(
     entry: Sequence[str] | None = None,
     files: Sequence[tuple[str, str]] = (),
     over_workspace: Sequence[str] = (),
+    exec_logs: str | None = None,
 ) -> list[str]:
     """The full command line that starts *command* isolated, in *cwd*.
 
     *entry* is how to run :mod:`sandbox.enter` (default: this interpreter, ``-m``); *files*
     are (source, destination) pairs bound read-only (an agent's settings for this run);
     *over_workspace* are bubblewrap arguments applied right after the mount is bound at the
-    workspace (the fast lanes and their masks).
+    workspace (the fast lanes and their masks); *exec_logs* is the host directory bound
+    writable at ``GUARD_RUN_DIR/exec`` for ``guard exec``'s logs (the agent's user must be
+    able to write it).
     """
     argv = [
         bwrap,
@@ -155,6 +160,8 @@ def bwrap_argv(
         "--dir", SANDBOX_RUN_DIR,
         "--bind", agent_socket, f"{SANDBOX_RUN_DIR}/agent.sock",
     ]
+    if exec_logs is not None:
+        argv += ["--bind", exec_logs, f"{SANDBOX_RUN_DIR}/exec"]
     for source, dest in files:
         argv += ["--ro-bind", source, dest]
     for path in writable:

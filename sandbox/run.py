@@ -14,6 +14,7 @@ import heapq
 import json
 import os
 import pwd
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import tty
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pyfuse3
 import trio
@@ -72,6 +73,7 @@ class _Outcome:
     interrupted: int | None = None
     notes: list[str] = field(default_factory=list)
     tree: ProcessTree | None = None  # the agent's, once started
+    recorders: list[Recorder] = field(default_factory=list)  # the agent's logs, for the summary
 
 
 def _halting(events: EventLog, outcome: _Outcome) -> Callable[..., Any]:
@@ -146,6 +148,7 @@ def run(opts: RunOptions) -> int:
         daemon.cleanup()
         events.close()
         lane_stage.cleanup()
+        _keep_exec_logs(stage, run_dir)
         with contextlib.suppress(OSError):
             mnt.rmdir()
             if stage != run_dir:
@@ -155,6 +158,18 @@ def run(opts: RunOptions) -> int:
     if not private:
         _say("(unprivileged run: the mount lived in the host's mount namespace and has been removed)")
     return status
+
+
+def _keep_exec_logs(stage: Path, run_dir: Path) -> None:
+    """Move guard exec's logs, written in the staging directory by an agent of another
+    user (who cannot reach the run directory), into the run directory."""
+    staged, dest = stage / "exec", run_dir / "exec"
+    if stage == run_dir or not staged.is_dir():
+        return
+    dest.mkdir(mode=0o755, exist_ok=True)
+    for entry in staged.iterdir():
+        shutil.move(entry, dest / entry.name)
+    staged.rmdir()
 
 
 def _checkpoint(fs: GuardFS) -> None:
@@ -190,6 +205,7 @@ def _agent_argv(
     # python and tools keep precedence.
     tools = f"{Path(sys.argv[0]).resolve().parent}:{Path(sys.executable).parent}"
     env["PATH"] = f"{env.get('PATH', '/usr/bin:/bin')}:{tools}"
+    env["GUARD_LOG_MAX_BYTES"] = str(opts.manifest.sandbox.log_max_bytes)  # guard exec's cap
     rel = os.path.relpath(opts.cwd, opts.workspace) if opts.cwd.is_relative_to(opts.workspace) else "."
     files: list[tuple[str, str]] = []
     if opts.agent == "gemini":
@@ -202,11 +218,17 @@ def _agent_argv(
                    GUARD_WORKSPACE=str(mnt))
         return _agent_command(opts), mnt / rel, env
     cwd = opts.workspace / rel
+    exec_logs = mnt.parent / "exec"  # in the run directory, or the staging one for another user
+    exec_logs.mkdir(mode=0o755, exist_ok=True)
+    if opts.user is not None:
+        pw = pwd.getpwnam(opts.user)
+        os.chown(exec_logs, pw.pw_uid, pw.pw_gid)
     argv = bwrap_argv(
         bwrap=bwrap, mountpoint=str(mnt), workspace=str(opts.workspace), run_dir=str(opts.run_dir),
         agent_socket=str(daemon.agent_path), cwd=str(cwd), command=_agent_command(opts),
         writable=[str(p) for p in _extra_writable(opts)], pty=pty,
         entry=system_entry() if opts.user is not None else None, files=files, over_workspace=lane_args,
+        exec_logs=str(exec_logs),
     )
     if opts.user is not None:
         pw = pwd.getpwnam(opts.user)
@@ -307,15 +329,19 @@ async def _run_agent(
     argv, cwd, env = _agent_argv(opts, bwrap, daemon, use_pty, mnt, lane_args)
     echo = None if opts.ci else console()
     logs = opts.run_dir
+
+    def recorder(name: str, echo: BinaryIO | None) -> Recorder:
+        outcome.recorders.append(Recorder(logs / name, echo, opts.manifest.sandbox.log_max_bytes))
+        return outcome.recorders[-1]
+
     async with trio.open_nursery() as nursery:
         if use_pty:
             master, slave = os.openpty()
             _copy_winsize(0, slave)
             proc = await trio.lowlevel.open_process(argv, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env)
             os.close(slave)
-            recorder = Recorder(logs / "stdout.log", echo)
             (logs / "stderr.log").touch()
-            nursery.start_soon(_pump_fd, master, recorder, daemon, _Lines(opts.agent, daemon))
+            nursery.start_soon(_pump_fd, master, recorder("stdout.log", echo), daemon, _Lines(opts.agent, daemon))
             nursery.start_soon(_forward_stdin, master)
         else:
             proc = await trio.lowlevel.open_process(
@@ -325,9 +351,9 @@ async def _run_agent(
             assert proc.stdout is not None
             assert proc.stderr is not None
             err_echo = None if opts.ci else os.fdopen(os.dup(2), "wb", buffering=0)
-            nursery.start_soon(_pump, proc.stdout, Recorder(logs / "stdout.log", echo), daemon,
+            nursery.start_soon(_pump, proc.stdout, recorder("stdout.log", echo), daemon,
                                _Lines(opts.agent, daemon))
-            nursery.start_soon(_pump, proc.stderr, Recorder(logs / "stderr.log", err_echo), daemon, None)
+            nursery.start_soon(_pump, proc.stderr, recorder("stderr.log", err_echo), daemon, None)
         tree = outcome.tree = ProcessTree(proc.pid)
         async with trio.open_nursery() as watchers:
             watchers.start_soon(_watch, daemon.breaker, tree, opts, outcome)
@@ -482,6 +508,7 @@ def _summary(opts: RunOptions, breaker: Breaker, accounting: WriteAccounting, ev
           if dropped else []),
         f"  tokens: {snap['tokens']['total']} in {snap['steps']} steps",
         f"  run directory: {opts.run_dir} (stdout.log, stderr.log, events.jsonl, ledger.json, STATE.md)",
+        *(f"  output capped: {r.describe()}" for r in outcome.recorders if r.dropped),
     ]
     if opts.ci:
         logs = [opts.run_dir / "stdout.log", opts.run_dir / "stderr.log"]
