@@ -213,6 +213,7 @@ class Daemon:
 
     async def _accept_loop(self, sock: trio.socket.SocketType, kind: str) -> None:
         book = self._sockets[kind]
+        pauses = 0
         async with trio.open_nursery() as nursery:
             while True:
                 try:
@@ -224,11 +225,16 @@ class Daemon:
                     if err.errno in _ACCEPT_PAUSE:
                         # Pending clients wait in the backlog; connections being served end
                         # and free their descriptors meanwhile.
-                        log.warning("%s socket: cannot accept (%s); pausing %.1f s", kind,
-                                    os.strerror(err.errno or 0), ACCEPT_PAUSE_S)
+                        if pauses == 0:
+                            log.warning("%s socket: cannot accept (%s); pausing until it can", kind,
+                                        os.strerror(err.errno or 0))
+                        pauses += 1
                         await trio.sleep(ACCEPT_PAUSE_S)
                         continue
                     raise
+                if pauses:
+                    log.warning("%s socket: accepting again after %d pauses", kind, pauses)
+                    pauses = 0
                 book.accepted += 1
                 if len(book.conns) >= MAX_CONNECTIONS:
                     self._evict(book, kind)

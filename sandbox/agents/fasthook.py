@@ -23,6 +23,7 @@ import math
 import os
 import re
 import socket
+import struct
 import sys
 from collections.abc import Callable
 from itertools import accumulate
@@ -30,7 +31,8 @@ from typing import Any
 
 __all__ = [
     "MAX_INT_DIGITS", "MAX_JSON_CONTAINERS", "MAX_JSON_DEPTH", "MUTATING_TOOLS", "GuardUnreachable",
-    "HookPayloadError", "JsonBoundsError", "decide", "loads_bounded", "main", "refuse_malformed", "run_hook",
+    "HookPayloadError", "JsonBoundsError", "connect_unix", "decide", "loads_bounded", "main", "refuse_malformed",
+    "run_hook",
 ]
 
 #: The deepest nesting of arrays and objects accepted in one JSON text (tool arguments nest a few levels).
@@ -113,15 +115,29 @@ def loads_bounded(data: bytes | str) -> Any:
     return json.loads(data, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant)
 
 
+def connect_unix(path: str, timeout: float) -> socket.socket:
+    """A stream connection to the Unix socket *path*, waiting up to *timeout* s for room in its
+    backlog (a socket with a Python timeout would fail at once with EAGAIN when it is full)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        seconds = int(timeout)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", seconds, int((timeout - seconds) * 1e6)))
+        sock.connect(path)  # blocking, bounded by SO_SNDTIMEO
+        sock.settimeout(timeout)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def _ask(message: dict[str, Any]) -> dict[str, Any]:
     """One request on GUARD_SOCKET; raise GuardUnreachable naming the problem."""
     path = os.environ.get("GUARD_SOCKET")
     if not path:
         raise GuardUnreachable("GUARD_SOCKET is not set")
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(5.0)
-            sock.connect(path)
+        with connect_unix(path, 5.0) as sock:
             sock.sendall(json.dumps({"v": 1, **message}).encode() + b"\n")
             buf = b""
             while b"\n" not in buf:
