@@ -482,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verb == "hook":
             from sandbox.agents.hooks import run_hook
 
-            return run_hook(args.agent, sys.stdin.read())
+            return run_hook(args.agent, sys.stdin.buffer.read())
         return _cmd_mount(args)
     except ManifestError as err:
         print(f"guard: {err}", file=sys.stderr)

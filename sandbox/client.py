@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
+
+from sandbox.agents.fasthook import connect_unix
 
 if TYPE_CHECKING:  # trio is imported by the async client only: a hook starts faster without it
     import trio
@@ -103,12 +104,9 @@ class GuardClient(_Messages):
 
     def __init__(self, path: str | os.PathLike[str] | None = None, timeout: float = 10.0) -> None:
         self.path = agent_socket_path(path)
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout)
         try:
-            self._sock.connect(self.path)
+            self._sock = connect_unix(self.path, timeout)
         except OSError as err:
-            self._sock.close()
             raise GuardUnreachable(f"cannot reach the guard at {self.path}: {err.strerror or err}") from err
         self._file = self._sock.makefile("rb")
 

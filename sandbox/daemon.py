@@ -3,10 +3,17 @@
 It runs in the same trio loop as the FUSE server, so the breaker is only ever touched
 from one thread and needs no lock. Each connection is its own task: a malformed line, an
 oversized line, a silent or slow client affects that connection alone.
+
+What a client can make the guard hold is bounded: at most :data:`MAX_CONNECTIONS` open
+connections per socket (one more closes the longest-idle one, so silent clients cannot
+lock the others out), :data:`~sandbox.protocol.MAX_LINE` bytes of unfinished line per
+connection and :data:`MAX_BUFFERED` across a socket's connections. The accept loop rides
+out descriptor and memory exhaustion (EMFILE, ENFILE, ENOBUFS, ENOMEM) by pausing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -22,7 +29,7 @@ from typing import Any
 import trio
 
 from guardfs.events import EventLog, json_safe
-from sandbox.agents.fasthook import GuardUnreachable, decide
+from sandbox.agents.fasthook import GuardUnreachable, HookPayloadError, decide, refuse_malformed
 from sandbox.breaker import Breaker, Reply
 from sandbox.ledger import render_state, write_ledger
 from sandbox.protocol import (
@@ -45,7 +52,7 @@ from sandbox.protocol import (
     parse_control,
 )
 
-__all__ = ["AGENT_SOCKET", "CONTROL_SOCKET", "Daemon", "RunDirBusy"]
+__all__ = ["AGENT_SOCKET", "CONTROL_SOCKET", "MAX_BUFFERED", "MAX_CONNECTIONS", "Daemon", "RunDirBusy"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +62,17 @@ CONTROL_SOCKET = "control.sock"
 IDLE_CONNECTION_S = 600.0
 #: A client that does not take its reply within this long is dropped.
 SEND_TIMEOUT_S = 10.0
+#: Open connections per socket; one more closes the longest-idle one. Hooks connect once per
+#: tool call and leave, so a real agent holds a few at a time, parallel tool calls included.
+MAX_CONNECTIONS = 64
+#: Bytes of unfinished lines held across one socket's connections; beyond it the connection
+#: that needs more is answered with an error and closed.
+MAX_BUFFERED = 32 << 20
+# Accept errors that say "not now" (out of descriptors or buffers) and ones that concern only
+# the client that gave up; trio.serve_listeners treats the same errnos the same way.
+_ACCEPT_PAUSE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+_ACCEPT_SKIP = frozenset({errno.ECONNABORTED, errno.EPERM, errno.EPROTO})
+ACCEPT_PAUSE_S = 0.1
 LEDGER_INTERVAL_S = 0.05
 #: The ledger writer rests this many times as long as its last write took.
 LEDGER_COST_FACTOR = 4.0
@@ -63,6 +81,30 @@ TICK_INTERVAL_S = 1.0
 
 class RunDirBusy(Exception):
     """Another guard is serving this run directory."""
+
+
+class _Conn:
+    """One connection's bookkeeping: when it last did something, and how to end it."""
+
+    def __init__(self) -> None:
+        self.scope = trio.CancelScope()  # entered by the connection's task
+        self.last_active = trio.current_time()
+
+
+class _Socket:
+    """One listening socket's connections and counters (reported by ``status``)."""
+
+    def __init__(self) -> None:
+        self.conns: dict[int, _Conn] = {}
+        self.buffered = 0
+        self.accepted = 0
+        self.evicted = 0
+        self.over_budget = 0
+        self.accept_errors = 0
+
+    def counters(self) -> dict[str, int]:
+        return {"open": len(self.conns), "accepted": self.accepted, "evicted": self.evicted,
+                "over_budget": self.over_budget, "accept_errors": self.accept_errors}
 
 
 def _reply(reply: Reply) -> dict[str, Any]:
@@ -102,6 +144,7 @@ class Daemon:
         self.control_path = run_dir / CONTROL_SOCKET
         self._written = -1
         self._stopping = False
+        self._sockets = {"agent": _Socket(), "control": _Socket()}
 
     # ----- set-up and teardown -------------------------------------------------------
 
@@ -173,17 +216,44 @@ class Daemon:
     # ----- connections ---------------------------------------------------------------
 
     async def _accept_loop(self, sock: trio.socket.SocketType, kind: str) -> None:
+        book = self._sockets[kind]
+        pauses = 0
         async with trio.open_nursery() as nursery:
             while True:
                 try:
                     conn, _ = await sock.accept()
                 except OSError as err:
-                    if err.errno in (errno.EMFILE, errno.ENFILE):
-                        log.warning("%s socket: out of file descriptors; pausing accepts", kind)
-                        await trio.sleep(0.1)
+                    book.accept_errors += 1
+                    if err.errno in _ACCEPT_SKIP:
+                        continue
+                    if err.errno in _ACCEPT_PAUSE:
+                        # Pending clients wait in the backlog; connections being served end
+                        # and free their descriptors meanwhile.
+                        if pauses == 0:
+                            log.warning("%s socket: cannot accept (%s); pausing until it can", kind,
+                                        os.strerror(err.errno or 0))
+                        pauses += 1
+                        await trio.sleep(ACCEPT_PAUSE_S)
                         continue
                     raise
-                nursery.start_soon(self._serve_conn, trio.SocketStream(conn), kind)
+                if pauses:
+                    log.warning("%s socket: accepting again after %d pauses", kind, pauses)
+                    pauses = 0
+                book.accepted += 1
+                if len(book.conns) >= MAX_CONNECTIONS:
+                    self._evict(book, kind)
+                # Counted here, not when its task starts: a burst of accepts cannot overshoot.
+                entry = book.conns[id(conn)] = _Conn()
+                nursery.start_soon(self._serve_conn, trio.SocketStream(conn), kind, entry, id(conn))
+
+    def _evict(self, book: _Socket, kind: str) -> None:
+        """Close the longest-idle connection of *book* to make room for a new one."""
+        key = min(book.conns, key=lambda k: book.conns[k].last_active)
+        book.conns.pop(key).scope.cancel()
+        book.evicted += 1
+        if book.evicted in (1, 10, 100) or book.evicted % 1000 == 0:  # said, not once per connection
+            log.warning("%s socket: %d connections open (at most %d); closed the longest-idle one (%d so far)",
+                        kind, MAX_CONNECTIONS, MAX_CONNECTIONS, book.evicted)
 
     def _peer_allowed(self, stream: trio.SocketStream) -> str | None:
         """For the control socket: only our own user (or root) may steer the run."""
@@ -193,36 +263,67 @@ class Daemon:
             return None
         return f"uid {uid} may not use the control socket (owner uid {os.geteuid()})"
 
-    async def _serve_conn(self, stream: trio.SocketStream, kind: str) -> None:
-        async with stream:
-            if kind == "control" and (refusal := self._peer_allowed(stream)) is not None:
-                await self._send(stream, error_reply(refusal))
+    async def _serve_conn(self, stream: trio.SocketStream, kind: str, conn: _Conn, key: int) -> None:
+        book = self._sockets[kind]
+        buf = bytearray()
+        try:
+            async with stream:  # closed however the connection ends, eviction included
+                with conn.scope:
+                    await self._converse(stream, kind, conn, buf, book)
+        finally:
+            if book.conns.get(key) is conn:
+                del book.conns[key]
+            book.buffered -= len(buf)
+
+    async def _converse(self, stream: trio.SocketStream, kind: str, conn: _Conn, buf: bytearray,
+                        book: _Socket) -> None:
+        if kind == "control" and (refusal := self._peer_allowed(stream)) is not None:
+            # Answered as a reply to its first request: closing before it arrives would make the
+            # client's send fail (EPIPE) instead of showing it why.
+            with trio.move_on_after(SEND_TIMEOUT_S), contextlib.suppress(trio.BrokenResourceError):
+                await stream.receive_some(MAX_LINE)
+            await self._send(stream, error_reply(refusal))
+            return
+        while True:
+            with trio.move_on_after(IDLE_CONNECTION_S) as idle:
+                try:
+                    data = await stream.receive_some(MAX_LINE)
+                except trio.BrokenResourceError:
+                    return
+            if idle.cancelled_caught or not data:
                 return
-            buf = b""
-            while True:
-                with trio.move_on_after(IDLE_CONNECTION_S) as idle:
-                    try:
-                        data = await stream.receive_some(MAX_LINE)
-                    except trio.BrokenResourceError:
-                        return
-                if idle.cancelled_caught or not data:
+            conn.last_active = trio.current_time()
+            if book.buffered + len(data) > MAX_BUFFERED:
+                book.over_budget += 1
+                await self._send(stream, error_reply(
+                    f"the guard holds {book.buffered} bytes of unfinished lines on the {kind} socket "
+                    f"(at most {MAX_BUFFERED}); closing this connection"))
+                return
+            buf += data
+            book.buffered += len(data)
+            start = 0
+            while (nl := buf.find(b"\n", start)) >= 0:
+                line, start = bytes(buf[start:nl]), nl + 1
+                if line.strip() and not await self._send(stream, self._handle(line, kind)):
                     return
-                buf += data
-                while (nl := buf.find(b"\n")) >= 0:
-                    line, buf = buf[:nl], buf[nl + 1:]
-                    if line.strip() and not await self._send(stream, self._handle(line, kind)):
-                        return
-                    if self._stopping:  # after the reply went out
-                        self.on_stop()
-                        return
-                if len(buf) >= MAX_LINE:
-                    await self._send(stream, error_reply(f"line longer than {MAX_LINE} bytes; closing"))
+                if self._stopping:  # after the reply went out
+                    self.on_stop()
                     return
+            del buf[:start]
+            book.buffered -= start
+            if len(buf) >= MAX_LINE:
+                await self._send(stream, error_reply(f"line longer than {MAX_LINE} bytes; closing"))
+                return
 
     async def _send(self, stream: trio.SocketStream, reply: dict[str, Any]) -> bool:
+        try:  # UTF-8, which the compiled hook helper prints as it is
+            data = json.dumps(reply, separators=(",", ":"), ensure_ascii=False).encode()
+        except UnicodeEncodeError:  # a surrogate-escaped name in it: escaped, still valid JSON
+            data = json.dumps(reply, separators=(",", ":")).encode()
+        data += b"\n"
         with trio.move_on_after(SEND_TIMEOUT_S):
             try:
-                await stream.send_all(json.dumps(reply, separators=(",", ":"), ensure_ascii=False).encode() + b"\n")
+                await stream.send_all(data)
                 return True
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return False
@@ -278,10 +379,15 @@ class Daemon:
             case Note():
                 return _reply(b.note(msg.kind, msg.text))
             case Hook():
-                code, text = decide(msg.event, self._ask_self)
+                try:
+                    code, text = decide(msg.event, self._ask_self)
+                except HookPayloadError as err:  # answered as the hook would answer it, and recorded
+                    self.events.emit("protocol", kind, "deny", reason=f"invalid {msg.agent} hook event: {err}"[:500])
+                    code, text = refuse_malformed(msg.event, err)
                 return {"v": VERSION, "ok": True, "exit": code, "stderr": text}
             case Status():
-                return {"v": VERSION, "ok": True, "state": b.state.value, "ledger": json_safe(b.snapshot())}
+                return {"v": VERSION, "ok": True, "state": b.state.value, "ledger": json_safe(b.snapshot()),
+                        "connections": {k: v.counters() for k, v in self._sockets.items()}}
             case Approve():
                 return _reply(b.approve(msg.raise_to))
             case Stop():

@@ -3,14 +3,22 @@
 Every message is a pydantic model with a version field ``v`` (now 1) and a ``type``.
 The agent socket speaks :data:`AgentMessage`: it can report and ask, never loosen a limit.
 The control socket speaks :data:`ControlMessage`.
+
+Everything on a line is bounded before it is parsed or used: its length (:data:`MAX_LINE`),
+its JSON's nesting and number sizes (checked before ``json`` recurses or converts, see
+:func:`sandbox.agents.fasthook.loads_bounded`), its strings (text, or surrogate-escaped bytes
+of a name that is not UTF-8), then every field by its model. Whatever fails is a
+:class:`ProtocolError` naming the problem, which the daemon sends back as the reply.
 """
 
 from __future__ import annotations
 
-import json
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, Strict, TypeAdapter, ValidationError
+
+from sandbox.agents.fasthook import MAX_HOOK_INPUT, JsonBoundsError, loads_bounded
 
 __all__ = [
     "MAX_LINE",
@@ -24,10 +32,12 @@ __all__ = [
 ]
 
 VERSION = 1
-#: The longest request line accepted, in bytes (newline included).
-MAX_LINE = 64 * 1024
+#: The longest request line accepted, in bytes (newline included): a ``hook`` message carries
+#: the agent's whole hook event (a Write's content with it), as much as the compiled helper reads.
+MAX_LINE = MAX_HOOK_INPUT + 64 * 1024
 
-_Count = Annotated[int, Field(ge=0, le=100_000_000)]
+# Strict: a count is a JSON integer, not true or "12".
+_Count = Annotated[int, Strict(), Field(ge=0, le=100_000_000)]
 
 
 class _Msg(BaseModel):
@@ -59,7 +69,7 @@ class ToolResult(_Msg):
 
     type: Literal["tool_result"]
     tool: Annotated[str, Field(max_length=200)]
-    exit_code: Annotated[int, Field(ge=-255, le=255)]
+    exit_code: Annotated[int, Strict(), Field(ge=-255, le=255)]
     summary: Annotated[str, Field(max_length=4000)] = Field(default="", description="Command or short output.")
 
 
@@ -73,7 +83,7 @@ class Check(_Msg):
         description="Target paths, relative to the workspace root or absolute inside it.",
     )
     args: Any = Field(default=None, description="The call's arguments, for repetition checks.")
-    mutating: bool = Field(default=True, description="Whether the tool writes its paths.")
+    mutating: Annotated[bool, Strict()] = Field(default=True, description="Whether the tool writes its paths.")
 
 
 class Note(_Msg):
@@ -103,7 +113,8 @@ class Approve(_Msg):
     """Resume after a trip; optionally raise the limit that tripped."""
 
     type: Literal["approve"]
-    raise_to: Annotated[int, Field(ge=1)] | None = Field(default=None, description="New value of that limit.")
+    raise_to: Annotated[int, Strict(), Field(ge=1, le=10**15)] | None = Field(
+        default=None, description="New value of that limit.")
 
 
 class Stop(_Msg):
@@ -137,11 +148,38 @@ class ProtocolError(ValueError):
     """A request line that is not a valid message; the text names the problem."""
 
 
+# A lone surrogate escape; most lines have none, and then no string is looked at.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# Lone surrogates that surrogateescape never produces: not text, and not a byte of a file name.
+_NOT_TEXT = re.compile("[\ud800-\udc7f\udd00-\udfff]")
+
+
+def _check_text(data: Any) -> None:
+    """Refuse strings that cannot be written as UTF-8 (or as surrogate-escaped bytes); no recursion."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if found := _NOT_TEXT.search(item):
+                raise ProtocolError(f"a string holds the lone surrogate U+{ord(found.group()):04X}, which is not "
+                                    "text (bytes of a name that is not UTF-8 travel surrogate-escaped, "
+                                    "U+DC80..U+DCFF)")
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
 def _parse(line: bytes, adapter: TypeAdapter[Any], allowed: tuple[str, ...], socket: str) -> Any:
     try:
-        data = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        data = loads_bounded(line)
+    except JsonBoundsError as err:
+        raise ProtocolError(f"not accepted: {err}") from err
+    except ValueError as err:  # json.JSONDecodeError, UnicodeDecodeError
         raise ProtocolError(f"not valid JSON: {err}") from err
+    if _SURROGATE_ESCAPE.search(line):
+        _check_text(data)
     if not isinstance(data, dict):
         raise ProtocolError("a message must be a JSON object with a 'type'")
     kind = data.get("type")

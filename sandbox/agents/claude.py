@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sandbox.agents.events import Event, JsonLinesParser, Step, Tool, ToolDone, Totals
+from sandbox.agents.events import Event, JsonLinesParser, Step, Tool, ToolDone, Totals, count, obj
 
 __all__ = ["ClaudeStreamParser"]
 
@@ -31,12 +31,12 @@ class ClaudeStreamParser(JsonLinesParser):
         """Events for one object of the stream."""
         kind = doc.get("type")
         if kind == "assistant":
-            return self._assistant(doc.get("message") or {})
+            return self._assistant(obj(doc, "message"))
         if kind == "stream_event":
-            return self._stream_event(doc.get("event") or {})
+            return self._stream_event(obj(doc, "event"))
         out = self._close()
         if kind == "user":
-            out += self._tool_results(doc.get("message") or {})
+            out += self._tool_results(obj(doc, "message"))
         elif kind == "result":
             out += self._result(doc)
         return out
@@ -47,30 +47,31 @@ class ClaudeStreamParser(JsonLinesParser):
 
     def _assistant(self, message: dict[str, Any]) -> list[Event]:
         out: list[Event] = []
-        msg_id = message.get("id", "")
+        msg_id = str(message.get("id", ""))[:200]
+        usage = obj(message, "usage")
+        content = message.get("content") or []
+        if not isinstance(content, list):
+            content = []  # text-only content may come as a string: no tool calls in it
         if self._current is not None and self._current["id"] != msg_id:
             out = self._close()
         if self._current is None:
-            usage = message.get("usage") or {}
             self._current = {
                 "id": msg_id,
-                "in": int(usage.get("input_tokens", 0)),
-                "out": int(usage.get("output_tokens", 0)),
-                "cached": int(usage.get("cache_read_input_tokens", 0))
-                + int(usage.get("cache_creation_input_tokens", 0)),
+                "in": count(usage, "input_tokens"),
+                "out": count(usage, "output_tokens"),
+                "cached": count(usage, "cache_read_input_tokens") + count(usage, "cache_creation_input_tokens"),
                 "tools": [],
             }
-        for block in message.get("content") or []:
+        for block in content:
             if isinstance(block, dict) and block.get("type") == "tool_use":
-                tool = Tool(str(block.get("name", "")), block.get("input"), str(block.get("id", "")))
+                tool = Tool(str(block.get("name", ""))[:200], block.get("input"), str(block.get("id", ""))[:200])
                 self._current["tools"].append(tool)
                 self._tools[tool.call_id] = tool.name
         return out
 
     def _stream_event(self, event: dict[str, Any]) -> list[Event]:
         if event.get("type") == "message_delta" and self._current is not None:
-            usage = event.get("usage") or {}
-            self._current["out"] = int(usage.get("output_tokens", self._current["out"]))
+            self._current["out"] = count(obj(event, "usage"), "output_tokens", self._current["out"])
             return self._close()
         return []
 
@@ -90,7 +91,7 @@ class ClaudeStreamParser(JsonLinesParser):
         for block in content:
             if not isinstance(block, dict) or block.get("type") != "tool_result":
                 continue
-            call_id = str(block.get("tool_use_id", ""))
+            call_id = str(block.get("tool_use_id", ""))[:200]
             text = _text(block.get("content"))
             error = bool(block.get("is_error"))
             out.append(ToolDone(call_id, self._tools.get(call_id, "unknown"), 1 if error else 0, text[:4000],
@@ -98,16 +99,17 @@ class ClaudeStreamParser(JsonLinesParser):
         return out
 
     def _result(self, doc: dict[str, Any]) -> list[Event]:
-        usage = doc.get("usage") or {}
-        total_in = int(usage.get("input_tokens", 0))
-        total_out = int(usage.get("output_tokens", 0))
-        total_cached = int(usage.get("cache_read_input_tokens", 0)) + int(usage.get("cache_creation_input_tokens", 0))
+        usage = obj(doc, "usage")
+        total_in = count(usage, "input_tokens")
+        total_out = count(usage, "output_tokens")
+        total_cached = count(usage, "cache_read_input_tokens") + count(usage, "cache_creation_input_tokens")
+        turns = count(doc, "num_turns")
         out: list[Event] = []
         missing_out = total_out - self._counted_out
         if missing_out > 0:  # output tokens the plain stream never showed per call
             out.append(Step("result", 0, missing_out))
             self._counted_out = total_out
-        out.append(Totals(total_in, total_out, total_cached, int(doc.get("num_turns", 0))))
+        out.append(Totals(total_in, total_out, total_cached, turns))
         return out
 
 

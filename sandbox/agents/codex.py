@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sandbox.agents.events import Event, JsonLinesParser, Step, Tool, ToolDone, Totals
+from sandbox.agents.events import Event, JsonLinesParser, Step, Tool, ToolDone, Totals, count, number, obj
 
 __all__ = ["CodexJsonParser"]
 
@@ -33,14 +33,13 @@ class CodexJsonParser(JsonLinesParser):
     def on_object(self, doc: dict[str, Any]) -> list[Event]:
         """Events for one object of the stream."""
         kind = doc.get("type")
-        raw = doc.get("item")
-        item: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        item = obj(doc, "item")
         if kind == "item.started" and item.get("type") in _TOOL_ITEMS:
             self._tools.append(Tool(_TOOL_ITEMS[item["type"]], _args(item), str(item.get("id", ""))))
         elif kind == "item.completed" and item.get("type") in _TOOL_ITEMS:
             return [self._done(item)]
         elif kind == "turn.completed":
-            return [self._turn(doc.get("usage") or {})]
+            return [self._turn(obj(doc, "usage"))]
         elif kind == "turn.failed":
             return [self._turn({})]
         return []
@@ -53,17 +52,15 @@ class CodexJsonParser(JsonLinesParser):
         name = _TOOL_ITEMS[item["type"]]
         if not any(t.call_id == str(item.get("id", "")) for t in self._tools):
             self._tools.append(Tool(name, _args(item), str(item.get("id", ""))))
-        code = item.get("exit_code")
-        if code is None:
-            code = 0 if item.get("status") in ("completed", None) else 1
-        summary = str(item.get("command") or json.dumps(item.get("changes", ""))[:400])
-        return ToolDone(str(item.get("id", "")), name, int(code), summary)
+        code = number(item, "exit_code", 0 if item.get("status") in ("completed", None) else 1)
+        summary = str(item.get("command") or json.dumps(item.get("changes", ""))[:400])[:4000]
+        return ToolDone(str(item.get("id", "")), name, max(-255, min(255, code)), summary)
 
     def _turn(self, usage: dict[str, Any]) -> Step:
+        total_in = count(usage, "input_tokens")
+        cached = min(count(usage, "cached_input_tokens"), total_in)  # included in input_tokens
+        out = count(usage, "output_tokens")
         self._turns += 1
-        total_in = int(usage.get("input_tokens", 0))
-        cached = int(usage.get("cached_input_tokens", 0))
-        out = int(usage.get("output_tokens", 0))
         self._totals[0] += total_in - cached
         self._totals[1] += out
         self._totals[2] += cached

@@ -1,22 +1,67 @@
-"""What parsers produce, and how it becomes protocol messages."""
+"""What parsers produce, and how it becomes protocol messages.
+
+The agent writes its output stream, so parsers read it as they read the socket: each line
+through :func:`~sandbox.agents.fasthook.loads_bounded`, and each field through
+:func:`obj`, :func:`count` or :func:`number`, which raise :class:`StreamFieldError` for a
+field of the wrong type; the line is then skipped (and counted), never a crash.
+"""
 
 from __future__ import annotations
 
-import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Event", "JsonLinesParser", "Step", "Tool", "ToolDone", "Totals", "json_object", "to_messages"]
+from sandbox.agents.fasthook import loads_bounded
+
+__all__ = [
+    "Event", "JsonLinesParser", "Step", "StreamFieldError", "Tool", "ToolDone", "Totals", "count", "json_object",
+    "number", "obj", "to_messages",
+]
+
+log = logging.getLogger(__name__)
+
+
+class StreamFieldError(ValueError):
+    """A field of an agent's output stream with the wrong type; the text names it."""
 
 
 def json_object(line: bytes | str) -> dict[str, Any] | None:
     """One line of an agent's JSON stream as an object, or None for anything else (a blank
-    line, a log line, a cut-off write): parsers skip those."""
+    line, a log line, a cut-off write, JSON beyond the bounds): parsers skip those."""
     try:
-        doc = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        doc = loads_bounded(line)
+    except ValueError:  # not JSON, not UTF-8, too deep or too large
         return None
     return doc if isinstance(doc, dict) else None
+
+
+def obj(doc: dict[str, Any], key: str) -> dict[str, Any]:
+    """*doc[key]* as an object ({} when absent or null)."""
+    value = doc.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise StreamFieldError(f"{key} is {type(value).__name__}, not an object")
+    return value
+
+
+def number(doc: dict[str, Any], key: str, default: int = 0) -> int:
+    """*doc[key]* as an integer (*default* when absent or null); a float is truncated."""
+    value = doc.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise StreamFieldError(f"{key} is {type(value).__name__}, not a number")
+    return int(value)  # finite: loads_bounded admits no infinity
+
+
+def count(doc: dict[str, Any], key: str, default: int = 0) -> int:
+    """*doc[key]* as a token or turn count: a number, not negative."""
+    value = number(doc, key, default)
+    if value < 0:
+        raise StreamFieldError(f"{key} is {value}, a negative count")
+    return value
 
 
 @dataclass(frozen=True)
@@ -88,12 +133,20 @@ class JsonLinesParser:
 
     def __init__(self) -> None:
         self.lines = 0
+        self.skipped = 0  # JSON objects with a field of the wrong type
 
     def feed(self, line: bytes | str) -> list[Event]:
         """Events for one line of the stream."""
         self.lines += 1
         doc = json_object(line)
-        return [] if doc is None else self.on_object(doc)
+        if doc is None:
+            return []
+        try:
+            return self.on_object(doc)
+        except StreamFieldError as err:
+            self.skipped += 1
+            log.warning("%s: line %d skipped: %s", type(self).__name__, self.lines, err)
+            return []
 
     def on_object(self, doc: dict[str, Any]) -> list[Event]:
         """Events for one JSON object of the stream."""

@@ -9,19 +9,40 @@ It reads the hook's JSON on stdin, asks the agent socket (``check`` before a too
 reason on stderr blocks the tool, and that text reaches the model as the tool's error — the
 breaker's corrective feedback. If the guard cannot be reached, mutating tools are refused
 (fail closed) and read-only ones go ahead.
+
+Every JSON text the agent's side sends is read with :func:`loads_bounded` (here, so that this
+file stays standard library only; the daemon's protocol uses it too): nesting depth and number
+sizes are checked before the parser can recurse or convert, and a hook field of the wrong type
+is a :class:`HookPayloadError` naming it, never an exception from deep inside.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
+import struct
 import sys
 from collections.abc import Callable
+from itertools import accumulate
 from typing import Any
 
-__all__ = ["MUTATING_TOOLS", "GuardUnreachable", "decide", "main", "run_hook"]
+__all__ = [
+    "MAX_INT_DIGITS", "MAX_JSON_CONTAINERS", "MAX_JSON_DEPTH", "MUTATING_TOOLS", "GuardUnreachable",
+    "HookPayloadError", "JsonBoundsError", "connect_unix", "decide", "loads_bounded", "main", "refuse_malformed",
+    "run_hook",
+]
+
+#: The deepest nesting of arrays and objects accepted in one JSON text (tool arguments nest a few levels).
+MAX_JSON_DEPTH = 64
+#: The most arrays and objects in one JSON text (a tool call's arguments hold a few dozen).
+MAX_JSON_CONTAINERS = 50_000
+#: The most digits an integer may have (a 64-bit count has 20 at most).
+MAX_INT_DIGITS = 20
+#: The most hook JSON read from stdin, as the compiled helper reads.
+MAX_HOOK_INPUT = 4 << 20
 
 #: Tools that write (Claude Code's, Codex's and Gemini CLI's names); shells count, since they can.
 MUTATING_TOOLS = frozenset({
@@ -38,15 +59,85 @@ class GuardUnreachable(Exception):
     """The guard's socket does not answer (or refused the request)."""
 
 
+class JsonBoundsError(ValueError):
+    """A JSON text beyond the bounds (depth, number size) the guard reads; the text says which."""
+
+
+class HookPayloadError(ValueError):
+    """A hook event with a field of the wrong type; the text names the field."""
+
+
+# Strings go first (their brackets are text); what is left of the structure is its brackets.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = bytes(c for c in range(256) if c not in b"[]{}")
+_DEPTH_STEP = tuple(1 if c in b"[{" else -1 if c in b"]}" else 0 for c in range(256))
+
+
+def _json_depth(text: bytes) -> int:
+    """How deep the arrays and objects of *text* nest, without parsing it (linear, no recursion);
+    raise JsonBoundsError when it holds more than MAX_JSON_CONTAINERS of them."""
+    if text.count(b"[") + text.count(b"{") <= MAX_JSON_DEPTH:
+        return 0  # cannot be deeper than that: the common case costs two counts
+    brackets = _JSON_STRING.sub(b"", text).translate(None, _NOT_BRACKET)
+    if len(brackets) > 2 * MAX_JSON_CONTAINERS:  # also keeps the count below cheap
+        raise JsonBoundsError(f"JSON with {len(brackets) // 2} arrays and objects (at most {MAX_JSON_CONTAINERS})")
+    return max(accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0)
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise JsonBoundsError(f"an integer of {len(digits.lstrip('-'))} digits (at most {MAX_INT_DIGITS} are read)")
+    return int(digits)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise JsonBoundsError(f"the number {text[:40]!r} is out of range")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise JsonBoundsError(f"{name} is not a JSON number")
+
+
+def loads_bounded(data: bytes | str) -> Any:
+    """Parse one JSON text from the agent's side; raise ValueError naming the problem.
+
+    JsonBoundsError for nesting deeper than MAX_JSON_DEPTH or more than MAX_JSON_CONTAINERS
+    arrays and objects (checked before parsing, so the parser never recurses on it), integers
+    longer than MAX_INT_DIGITS digits, and non-finite numbers; json.JSONDecodeError or
+    UnicodeDecodeError for text that is not JSON.
+    """
+    raw = data if isinstance(data, bytes) else data.encode("utf-8", "surrogatepass")
+    if (depth := _json_depth(raw)) > MAX_JSON_DEPTH:
+        raise JsonBoundsError(f"JSON nested {depth} levels deep (at most {MAX_JSON_DEPTH})")
+    return json.loads(data, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant)
+
+
+def connect_unix(path: str, timeout: float) -> socket.socket:
+    """A stream connection to the Unix socket *path*, waiting up to *timeout* s for room in its
+    backlog (a socket with a Python timeout would fail at once with EAGAIN when it is full)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        seconds = int(timeout)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", seconds, int((timeout - seconds) * 1e6)))
+        sock.connect(path)  # blocking, bounded by SO_SNDTIMEO
+        sock.settimeout(timeout)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def _ask(message: dict[str, Any]) -> dict[str, Any]:
-    """One request on GUARD_SOCKET; raise _Unreachable naming the problem."""
+    """One request on GUARD_SOCKET; raise GuardUnreachable naming the problem."""
     path = os.environ.get("GUARD_SOCKET")
     if not path:
         raise GuardUnreachable("GUARD_SOCKET is not set")
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(5.0)
-            sock.connect(path)
+        with connect_unix(path, 5.0) as sock:
             sock.sendall(json.dumps({"v": 1, **message}).encode() + b"\n")
             buf = b""
             while b"\n" not in buf:
@@ -58,75 +149,133 @@ def _ask(message: dict[str, Any]) -> dict[str, Any]:
         raise GuardUnreachable(f"cannot reach the guard at {path}: {err.strerror or err}") from err
     if not buf:
         raise GuardUnreachable(f"the guard at {path} closed the connection without replying")
-    reply: dict[str, Any] = json.loads(buf.split(b"\n", 1)[0])
+    try:
+        reply = json.loads(buf.split(b"\n", 1)[0])
+    except ValueError as err:  # cut off mid-line: the guard went away while answering
+        raise GuardUnreachable(f"the guard at {path} sent a reply that is not JSON ({err})") from err
+    if not isinstance(reply, dict):
+        raise GuardUnreachable(f"the guard at {path} sent a reply that is not an object")
     if not reply.get("ok"):
         raise GuardUnreachable(f"the guard refused the request: {reply.get('error')}")
     return reply
 
 
+# As the protocol's ``check`` message accepts them (this file cannot import it).
+_MAX_TOOL_NAME = 200
+_MAX_PATHS = 256
+_MAX_PATH = 4096
+_PRE = ("PreToolUse", "BeforeTool")
+_POST = ("PostToolUse", "AfterTool")
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
+            int: "a number", float: "a number"}.get(type(value), type(value).__name__)
+
+
+def _field(doc: dict[str, Any], key: str, kind: type, where: str) -> Any:
+    """*doc[key]* when it is a *kind* (None when absent or null); HookPayloadError otherwise."""
+    value = doc.get(key)
+    if value is None or isinstance(value, kind):
+        return value
+    raise HookPayloadError(f"{where}{key} must be {_type_name(kind())}, not {_type_name(value)}")
+
+
 def _paths(tool_input: dict[str, Any], cwd: str) -> list[str]:
     out = []
     for key in _PATH_KEYS:
-        value = tool_input.get(key)
-        if isinstance(value, str) and value:
+        value = _field(tool_input, key, str, "tool_input.")
+        if value:
             out.append(os.path.normpath(os.path.join(cwd, value)))
-    patch = tool_input.get("input") or tool_input.get("patch")  # Codex apply_patch
+    patch = tool_input.get("input") or tool_input.get("patch")  # Codex apply_patch; an MCP tool's may be an object
     if isinstance(patch, str):
         out += [os.path.normpath(os.path.join(cwd, p.strip())) for p in _PATCH_FILE.findall(patch)]
-    for edit in tool_input.get("edits") or []:
-        if isinstance(edit, dict) and isinstance(edit.get("file_path"), str):
-            out.append(os.path.normpath(os.path.join(cwd, edit["file_path"])))
+    for i, edit in enumerate(_field(tool_input, "edits", list, "tool_input.") or []):
+        if not isinstance(edit, dict):
+            raise HookPayloadError(f"tool_input.edits[{i}] must be an object, not {_type_name(edit)}")
+        if value := _field(edit, "file_path", str, f"tool_input.edits[{i}]."):
+            out.append(os.path.normpath(os.path.join(cwd, value)))
+    if len(out) > _MAX_PATHS:
+        raise HookPayloadError(f"tool_input names {len(out)} paths (at most {_MAX_PATHS})")
+    if too_long := next((p for p in out if len(p) > _MAX_PATH), None):
+        raise HookPayloadError(f"a path of {len(too_long)} characters (at most {_MAX_PATH}): {too_long[:80]}...")
     return out
 
 
 def _exit_code(response: Any) -> int:
     if isinstance(response, dict):
         for key in ("exit_code", "exitCode", "returncode"):
-            if isinstance(response.get(key), int):
-                return int(response[key])
+            value = response.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return max(-255, min(255, value))  # the range tool_result accepts
         if response.get("interrupted") or response.get("is_error") or response.get("error"):
             return 1
     return 0
 
 
-def decide(event: dict[str, Any], ask: Callable[[dict[str, Any]], dict[str, Any]]) -> tuple[int, str]:
+def decide(event: Any, ask: Callable[[dict[str, Any]], dict[str, Any]]) -> tuple[int, str]:
     """The hook's answer to one agent hook *event*: (exit status, text for stderr).
 
     *ask* sends one agent-socket message and returns the reply, raising GuardUnreachable.
+    Raises HookPayloadError, naming the field, for an event of the wrong shape
+    (:func:`refuse_malformed` is the answer to give then).
     """
-    name = str(event.get("hook_event_name", ""))
-    tool = str(event.get("tool_name", ""))
-    raw = event.get("tool_input")
-    tool_input: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    if not isinstance(event, dict):
+        raise HookPayloadError(f"the hook event must be a JSON object, not {_type_name(event)}")
+    name = _field(event, "hook_event_name", str, "") or ""
+    tool = _field(event, "tool_name", str, "") or ""
+    if len(tool) > _MAX_TOOL_NAME:
+        raise HookPayloadError(f"tool_name of {len(tool)} characters (at most {_MAX_TOOL_NAME})")
+    tool_input: dict[str, Any] = _field(event, "tool_input", dict, "") or {}
+    cwd = _field(event, "cwd", str, "") or os.getcwd()
     mutating = tool in MUTATING_TOOLS
+    if name in _PRE:
+        paths = _paths(tool_input, cwd)  # before asking: a malformed event asks nothing
     try:
-        if name in ("PreToolUse", "BeforeTool"):
+        if name in _PRE:
             args = {"command": tool_input.get("command")} if "command" in tool_input else tool_input
-            paths = _paths(tool_input, str(event.get("cwd") or os.getcwd()))
             reply = ask({"type": "check", "tool": tool, "paths": paths, "args": args, "mutating": mutating})
             if not reply["allow"]:
                 return BLOCK, reply.get("feedback") or f"guard: {tool} refused ({reply['state']})"
             return 0, reply.get("warning", "")
-        if name in ("PostToolUse", "AfterTool"):
+        if name in _POST:
             summary = str(tool_input.get("command") or tool_input.get("file_path") or "")[:4000]
             ask({"type": "tool_result", "tool": tool, "exit_code": _exit_code(event.get("tool_response")),
                  "summary": summary})
     except GuardUnreachable as err:
-        if mutating and name in ("PreToolUse", "BeforeTool"):
+        if mutating and name in _PRE:
             return BLOCK, (f"guard: refusing {tool}: the guard cannot be reached ({err}); writes stay blocked "
                            "until it is back")
         return 0, f"guard hook: {err}"
     return 0, ""
 
 
-def run_hook(agent: str, stdin: str) -> int:
+def refuse_malformed(event: Any, err: HookPayloadError) -> tuple[int, str]:
+    """The answer to a hook event :func:`decide` could not read: before a tool (or when it is not
+    even clear which hook this is) the tool is refused; after one, a warning."""
+    name = event.get("hook_event_name") if isinstance(event, dict) else None
+    tool = event.get("tool_name") if isinstance(event, dict) else None
+    tool_text = tool[:_MAX_TOOL_NAME] if isinstance(tool, str) and tool else "the tool"
+    if name in _POST:
+        return 0, f"guard hook: cannot read this hook event ({err}); nothing reported"
+    return BLOCK, f"guard: refusing {tool_text}: its hook event cannot be read ({err})"
+
+
+def run_hook(agent: str, stdin: str | bytes) -> int:
     """Handle one hook call (*agent*: claude, codex, gemini); returns the exit status."""
+    if len(stdin) > MAX_HOOK_INPUT:
+        print(f"guard hook {agent}: hook input of {len(stdin)} bytes (at most {MAX_HOOK_INPUT}); refusing",
+              file=sys.stderr)
+        return BLOCK
     try:
-        event = json.loads(stdin)
-    except json.JSONDecodeError as err:
+        event = loads_bounded(stdin)
+    except ValueError as err:  # not JSON, not UTF-8, or beyond the bounds
         print(f"guard hook {agent}: no valid JSON on stdin ({err})", file=sys.stderr)
         return BLOCK
-    code, text = decide(event if isinstance(event, dict) else {}, _ask)
+    try:
+        code, text = decide(event, _ask)
+    except HookPayloadError as err:
+        code, text = refuse_malformed(event, err)
     if text:
         print(text, file=sys.stderr)
     return code
@@ -135,7 +284,7 @@ def run_hook(agent: str, stdin: str) -> int:
 def main() -> int:
     """``python3 -S -E fasthook.py AGENT``."""
     agent = sys.argv[1] if len(sys.argv) > 1 else "claude"
-    return run_hook(agent, sys.stdin.read())
+    return run_hook(agent, sys.stdin.buffer.read(MAX_HOOK_INPUT + 1))  # bytes: any encoding is read, never fails
 
 
 if __name__ == "__main__":

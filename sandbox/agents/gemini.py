@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sandbox.agents.events import Event, JsonLinesParser, Step, Tool, ToolDone, Totals
+from sandbox.agents.events import Event, JsonLinesParser, Step, Tool, ToolDone, Totals, count, obj
 
 __all__ = ["GeminiStreamParser"]
 
@@ -44,12 +44,12 @@ class GeminiStreamParser(JsonLinesParser):
                 output = json.dumps(output or "")
             return [ToolDone(call_id, self._tools.get(call_id, "unknown"), 0 if ok else 1, output[:4000])]
         if kind == "result":
-            return self._result(doc.get("stats") or {})
+            return self._result(obj(doc, "stats"))
         return []
 
     def _result(self, stats: dict[str, Any]) -> list[Event]:
-        cached = int(stats.get("cached", 0) or 0)
-        total_in = int(stats.get("input_tokens", stats.get("input", 0)) or 0)
-        out = int(stats.get("output_tokens", 0) or 0)
-        return [Step("result", total_in - cached, out, cached), Totals(total_in - cached, out, cached,
-                                                                        int(stats.get("tool_calls", 0) or 0))]
+        total_in = count(stats, "input_tokens", count(stats, "input"))
+        cached = min(count(stats, "cached"), total_in)  # included in the input count
+        out = count(stats, "output_tokens")
+        calls = count(stats, "tool_calls")
+        return [Step("result", total_in - cached, out, cached), Totals(total_in - cached, out, cached, calls)]
