@@ -42,7 +42,7 @@ from sandbox.exitcodes import Exit
 from sandbox.isolation import bwrap_argv, private_mount_namespace, probe, system_entry
 from sandbox.lanes import LaneStage, plan_lanes
 from sandbox.quarantine import Recorder, console, digest
-from sandbox.supervisor import ProcessTree
+from sandbox.supervisor import ProcessTree, Spawner, wait_exit
 
 __all__ = ["RunOptions", "default_run_dir", "run"]
 
@@ -306,40 +306,61 @@ async def _run_agent(
     argv, cwd, env = _agent_argv(opts, bwrap, daemon, use_pty, mnt, lane_args)
     echo = None if opts.ci else console()
     logs = opts.run_dir
-    async with trio.open_nursery() as nursery:
-        if use_pty:
-            master, slave = os.openpty()
-            _copy_winsize(0, slave)
-            proc = await trio.lowlevel.open_process(argv, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env)
-            os.close(slave)
-            recorder = Recorder(logs / "stdout.log", echo)
-            (logs / "stderr.log").touch()
-            nursery.start_soon(_pump_fd, master, recorder, daemon, _Lines(opts.agent, daemon))
-            nursery.start_soon(_forward_stdin, master)
-        else:
-            proc = await trio.lowlevel.open_process(
-                argv, stdin=None if not opts.ci else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env,
-            )
-            assert proc.stdout is not None
-            assert proc.stderr is not None
-            err_echo = None if opts.ci else os.fdopen(os.dup(2), "wb", buffering=0)
-            nursery.start_soon(_pump, proc.stdout, Recorder(logs / "stdout.log", echo), daemon,
-                               _Lines(opts.agent, daemon))
-            nursery.start_soon(_pump, proc.stderr, Recorder(logs / "stderr.log", err_echo), daemon, None)
-        tree = outcome.tree = ProcessTree(proc.pid)
-        async with trio.open_nursery() as watchers:
-            watchers.start_soon(_watch, daemon.breaker, tree, opts, outcome)
-            watchers.start_soon(_on_signals, tree, outcome)
-            with _raw_terminal(use_pty):
-                code = await proc.wait()
-            outcome.status = 128 - code if code < 0 else code
-            watchers.cancel_scope.cancel()
-        state = daemon.breaker.state
-        if outcome.tripped is None and state.terminal and (opts.ci or opts.manifest.breaker.on_terminal == "stop"):
-            outcome.tripped = state  # the agent ended before the watcher could stop it
-        if use_pty:
-            nursery.cancel_scope.cancel()  # the stdin forwarder never ends by itself
+    # The spawner's thread forks the agent and outlives it: see Spawner for why no trio
+    # worker thread may (bubblewrap's --die-with-parent is relative to the forking thread).
+    with Spawner() as spawner, contextlib.ExitStack() as streams:
+        async with trio.open_nursery() as nursery:
+            if use_pty:
+                master, slave = os.openpty()
+                _copy_winsize(0, slave)
+                try:
+                    proc = await spawner.popen(argv, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env)
+                finally:
+                    os.close(slave)
+                recorder = Recorder(logs / "stdout.log", echo)
+                (logs / "stderr.log").touch()
+                nursery.start_soon(_pump_fd, master, recorder, daemon, _Lines(opts.agent, daemon))
+                nursery.start_soon(_forward_stdin, master)
+            else:
+                stdout, out_w = _pipe(streams)
+                stderr, err_w = _pipe(streams)
+                try:
+                    proc = await spawner.popen(argv, stdin=None if not opts.ci else subprocess.DEVNULL,
+                                               stdout=out_w, stderr=err_w, cwd=cwd, env=env)
+                finally:
+                    os.close(out_w)
+                    os.close(err_w)
+                err_echo = None if opts.ci else os.fdopen(os.dup(2), "wb", buffering=0)
+                nursery.start_soon(_pump, stdout, Recorder(logs / "stdout.log", echo), daemon,
+                                   _Lines(opts.agent, daemon))
+                nursery.start_soon(_pump, stderr, Recorder(logs / "stderr.log", err_echo), daemon, None)
+            tree = outcome.tree = ProcessTree(proc.pid)
+            try:
+                async with trio.open_nursery() as watchers:
+                    watchers.start_soon(_watch, daemon.breaker, tree, opts, outcome)
+                    watchers.start_soon(_on_signals, tree, outcome)
+                    with _raw_terminal(use_pty):
+                        code = await wait_exit(proc)
+                    outcome.status = 128 - code if code < 0 else code
+                    watchers.cancel_scope.cancel()
+            finally:
+                if proc.returncode is None:  # the guard failed or was cancelled: the agent goes first
+                    with trio.CancelScope(shield=True):
+                        await tree.terminate(grace=1.0)
+                        await wait_exit(proc)
+            state = daemon.breaker.state
+            if outcome.tripped is None and state.terminal and (opts.ci or opts.manifest.breaker.on_terminal == "stop"):
+                outcome.tripped = state  # the agent ended before the watcher could stop it
+            if use_pty:
+                nursery.cancel_scope.cancel()  # the stdin forwarder never ends by itself
+
+
+def _pipe(streams: contextlib.ExitStack) -> tuple[trio.lowlevel.FdStream, int]:
+    """A pipe from a child: our end as a stream (closed with *streams*), the child's end as an fd."""
+    ours, theirs = os.pipe()
+    stream = trio.lowlevel.FdStream(ours)
+    streams.callback(stream.close)
+    return stream, theirs
 
 
 class _Lines:
