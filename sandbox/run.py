@@ -19,6 +19,7 @@ import sys
 import tempfile
 import termios
 import time
+import traceback
 import tty
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from sandbox.daemon import Daemon
 from sandbox.exitcodes import Exit
 from sandbox.isolation import bwrap_argv, private_mount_namespace, probe, system_entry
 from sandbox.lanes import LaneStage, plan_lanes
+from sandbox.ledger import write_ledger
 from sandbox.quarantine import Recorder, console, digest
 from sandbox.supervisor import ProcessTree, Spawner, wait_exit
 
@@ -71,6 +73,7 @@ class _Outcome:
     interrupted: int | None = None
     notes: list[str] = field(default_factory=list)
     tree: ProcessTree | None = None  # the agent's, once started
+    failure: dict[str, str] | None = None  # the guard's own defect: what it was, where its traceback is
 
 
 def _halting(events: EventLog, outcome: _Outcome) -> Callable[..., Any]:
@@ -138,7 +141,7 @@ def run(opts: RunOptions) -> int:
     unmount = init_mount(fs, str(mnt), mount_options(f"guardfs:{opts.manifest.task.id}"))
     try:
         with keepalive(str(mnt)):
-            trio.run(_main, opts, bwrap, daemon, outcome, mnt, lane_args)
+            outcome.failure = _serve(opts, bwrap, daemon, outcome, mnt, lane_args)
     finally:
         unmount()
         fs.close()
@@ -149,6 +152,7 @@ def run(opts: RunOptions) -> int:
             mnt.rmdir()
             if stage != run_dir:
                 stage.rmdir()
+    _ledger_failure(run_dir, breaker, outcome.failure)  # after the daemon's last write
     status = _exit_status(outcome)
     _summary(opts, breaker, accounting, events, outcome, status)
     if not private:
@@ -161,7 +165,38 @@ def _checkpoint(fs: GuardFS) -> None:
         fs.preimages.checkpoint()
 
 
+def _serve(
+    opts: RunOptions, bwrap: str | None, daemon: Daemon, outcome: _Outcome, mnt: Path, lane_args: list[str]
+) -> dict[str, str] | None:
+    """The run's trio loop. A defect of ours that escapes it (a FUSE handler, the daemon, a
+    pump) has stopped the agent on its way out; it is recorded, and the run ends with 70."""
+    try:
+        trio.run(_main, opts, bwrap, daemon, outcome, mnt, lane_args)
+    except Exception as err:
+        return _record_failure(opts.run_dir, err)
+    return None
+
+
+def _ledger_failure(run_dir: Path, breaker: Breaker, failure: dict[str, str] | None) -> None:
+    """The ledger of a run whose guard failed says so: never a plain CLOSED."""
+    if failure is not None:
+        write_ledger(run_dir, {**breaker.snapshot(), "guard_failure": failure})
+
+
+def _record_failure(run_dir: Path, err: Exception) -> dict[str, str]:
+    """Write the traceback of the guard's own failure into the run directory; say where."""
+    path = run_dir / "guard-error.log"
+    path.write_text("".join(traceback.format_exception(err)), errors="backslashreplace")
+    leaf: BaseException = err
+    while isinstance(leaf, BaseExceptionGroup) and leaf.exceptions:  # trio's nurseries wrap it
+        leaf = leaf.exceptions[0]
+    _say(f"internal error ({type(leaf).__name__}): the guard failed and stopped the agent; traceback in {path}")
+    return {"error": type(leaf).__name__, "message": str(leaf)[:500], "traceback": str(path)}
+
+
 def _exit_status(outcome: _Outcome) -> int:
+    if outcome.failure is not None:
+        return Exit.SOFTWARE
     if outcome.tripped is not None:
         return Exit.TRIPPED
     if outcome.interrupted is not None:
@@ -497,9 +532,14 @@ def _summary(opts: RunOptions, breaker: Breaker, accounting: WriteAccounting, ev
         f"  tokens: {snap['tokens']['total']} in {snap['steps']} steps",
         f"  run directory: {opts.run_dir} (stdout.log, stderr.log, events.jsonl, ledger.json, STATE.md)",
     ]
+    if outcome.failure is not None:
+        lines.insert(1, f"  GUARD FAILED: internal error ({outcome.failure['error']}); the agent was stopped; "
+                        f"traceback in {outcome.failure['traceback']}")
     if opts.ci:
         logs = [opts.run_dir / "stdout.log", opts.run_dir / "stderr.log"]
         what = f"agent exited with status {outcome.status}" if outcome.tripped is None else \
             f"agent stopped by the breaker ({outcome.tripped.value})"
+        if outcome.failure is not None:
+            what = f"the guard failed (internal error, traceback in {outcome.failure['traceback']}); agent stopped"
         print(digest(what, logs), flush=True)
     _say("\n".join(lines))

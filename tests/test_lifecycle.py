@@ -7,6 +7,7 @@ idle gaps (``test_long_..._120s``): the agent used to be SIGKILLed 10 s into any
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -57,6 +58,8 @@ def processes_with(marker: str) -> list[psutil.Process]:
 
 
 def host_mounts() -> str:
+    """The mount table of this (the host's) namespace. Tests look for their own paths in it
+    only: other guards may be running on this machine."""
     with open("/proc/self/mountinfo", encoding="utf-8") as f:
         return f.read()
 
@@ -87,7 +90,7 @@ def test_long_agent_with_idle_gaps_survives_120s(tmp_path: Path) -> None:
         import sys, time
         for i, gap in enumerate([15, 30, 20, 25, 30]):
             time.sleep(gap)
-            with open("src/checkout/tax.py", "a") as f:
+            with open(f"src/checkout/step{i}.py", "w") as f:  # one file each: within max_rewrites
                 f.write(f"# edit {i} after a {gap} s gap\\n")
             print("edit", i, flush=True)
         sys.exit(3)
@@ -97,9 +100,8 @@ def test_long_agent_with_idle_gaps_survives_120s(tmp_path: Path) -> None:
         cwd=ws, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
     )
     assert result.returncode == 3, result.stderr
-    text = (ws / "src/checkout/tax.py").read_text()
-    assert [line for line in text.splitlines() if line.startswith("# edit")] == [
-        f"# edit {i} after a {gap} s gap" for i, gap in enumerate([15, 30, 20, 25, 30])]
+    for i, gap in enumerate([15, 30, 20, 25, 30]):
+        assert (ws / f"src/checkout/step{i}.py").read_text() == f"# edit {i} after a {gap} s gap\n"
     assert (run_dir / "stdout.log").read_text().splitlines() == [f"edit {i}" for i in range(5)]
 
 
@@ -129,8 +131,7 @@ def test_sigkill_of_the_guard_ends_an_idle_agent_within_2s_and_leaves_no_mount(t
         for p in processes_with(marker):
             p.kill()
     assert guard.returncode == -signal.SIGKILL
-    mounts = host_mounts()
-    assert "guardfs" not in mounts and str(tmp_path) not in mounts
+    assert str(tmp_path) not in host_mounts()
 
 
 @needs_root
@@ -167,7 +168,7 @@ def test_a_host_unmount_during_a_run_reaches_the_run(tmp_path: Path) -> None:
         for name, view in views.items():
             assert source in view.read_text(), f"the {name} never saw the host's mount"
         on_host = host_mounts()
-        assert "fuse.guardfs" not in on_host and str(run_dir) not in on_host and str(ws) not in on_host
+        assert str(run_dir) not in on_host and str(ws) not in on_host  # the guard's mount, the agent's binds
         subprocess.run(["umount", str(host)], check=True)
         mounted.remove(host)
         for name, view in views.items():
@@ -182,4 +183,79 @@ def test_a_host_unmount_during_a_run_reaches_the_run(tmp_path: Path) -> None:
         for path in reversed(mounted):
             subprocess.run(["umount", "-l", str(path)], check=False)
     assert guard.returncode == 3, err
-    assert "guardfs" not in host_mounts()
+    assert str(run_dir) not in host_mounts() and str(ws) not in host_mounts()
+
+
+#: Faults injected into a real guard (a mock, since a guard without defects cannot be made
+#: to fail for real): each raises where no handler of ours expects an exception.
+FAULTS = {
+    "fuse handler": """
+        from guardfs.fs import GuardFS
+        real = GuardFS.mkdir
+        async def mkdir(self, parent, name, mode, ctx):
+            if name == b"inject-fault":
+                raise RuntimeError("injected fault")
+            return await real(self, parent, name, mode, ctx)
+        GuardFS.mkdir = mkdir
+    """,
+    "daemon": """
+        from sandbox.breaker import Breaker
+        real = Breaker.tick
+        def tick(self):
+            if self.snapshot()["steps"]:
+                raise RuntimeError("injected fault")
+            return real(self)
+        Breaker.tick = tick
+    """,
+    "pump": """
+        from sandbox.quarantine import Recorder
+        real = Recorder.feed
+        def feed(self, data):
+            if b"inject-fault" in data:
+                raise RuntimeError("injected fault")
+            return real(self, data)
+        Recorder.feed = feed
+    """,
+}
+
+#: What the agent does to set each fault off; then it would sleep for 10 minutes.
+TRIGGERS = {
+    "fuse handler": "os.mkdir('src/checkout/inject-fault')",
+    "daemon": "from sandbox.client import GuardClient; GuardClient().__enter__().step(tokens_in=1, tokens_out=1)",
+    "pump": "print('inject-fault', flush=True)",
+}
+
+
+@needs_root
+@pytest.mark.parametrize("where", sorted(FAULTS))
+def test_a_defect_of_the_guard_is_recorded_and_stops_the_agent(tmp_path: Path, where: str) -> None:
+    ws, manifest = workspace(tmp_path)
+    run_dir = tmp_path / "run"
+    marker = f"guardfs-lifecycle-fault-{where.replace(' ', '-')}"
+    agent = f"""
+        import os, time
+        with open("src/checkout/tax.py", "a") as f:
+            f.write("# before the fault\\n")
+        {TRIGGERS[where]}
+        time.sleep(600)
+    """
+    guard = textwrap.dedent(FAULTS[where]) + "import sys\nfrom sandbox.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    result = subprocess.run(
+        [sys.executable, "-c", guard, *guard_argv(manifest, run_dir, *python_agent(agent, marker))[3:]],
+        cwd=ws, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 70, result.stderr
+    assert not processes_with(marker), "the agent outlived its guard's failure"
+    traceback_path = run_dir / "guard-error.log"
+    assert "RuntimeError: injected fault" in traceback_path.read_text()
+    assert f"GUARD FAILED: internal error (RuntimeError); the agent was stopped; traceback in {traceback_path}" \
+        in result.stderr
+    assert "the guard failed (internal error" in result.stdout  # the --ci digest
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert ledger["guard_failure"]["traceback"] == str(traceback_path)
+    assert ledger["guard_failure"]["error"] == "RuntimeError"
+    state = (run_dir / "STATE.md").read_text()
+    assert state.startswith("# guard state: GUARD FAILED (internal error; the breaker was CLOSED)"), state[:200]
+    assert str(traceback_path) in state
+    assert (ws / "src/checkout/tax.py").read_text().endswith("# before the fault\n")  # nothing lost before
+    assert str(tmp_path) not in host_mounts()
