@@ -112,14 +112,18 @@ def init_mount(fs: GuardFS, mountpoint: str, options: set[str]) -> Callable[[], 
         return lambda: pyfuse3.close(unmount=True)
     fd, helper = fusermount(mountpoint, options)
     try:
+        # From here libfuse owns the fd: given as /dev/fd/N, it becomes the session's
+        # device, which pyfuse3.close() closes. Closing it again ourselves would close
+        # whatever was opened under that number meanwhile (or fail with EBADF).
         pyfuse3.init(fs, f"/dev/fd/{fd}", options)
     except RuntimeError as err:
+        os.close(fd)  # not taken: the session was never set up
+        helper.wait(timeout=10)  # auto_unmount: gone with the last descriptor of the device
         raise MountError(f"cannot serve the mount at {mountpoint}: {err}") from err
 
     def unmount() -> None:
-        pyfuse3.close(unmount=False)
+        pyfuse3.close(unmount=False)  # closes the device, which also tells fusermount3 to unmount
         subprocess.run(["fusermount3", "-u", "-z", mountpoint], check=False, stderr=subprocess.DEVNULL)
-        os.close(fd)
         helper.wait(timeout=10)
 
     return unmount

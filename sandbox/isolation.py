@@ -34,7 +34,7 @@ _MS_RDONLY = 1
 _MS_REMOUNT = 32
 _MS_BIND = 4096
 _MS_REC = 0x4000
-_MS_PRIVATE = 1 << 18
+_MS_SLAVE = 1 << 19
 _MNT_DETACH = 2
 
 
@@ -68,6 +68,11 @@ def private_mount_namespace() -> bool:
     The guarded mount then exists only in here: when the guard and the agent are gone,
     even by SIGKILL, the kernel tears the namespace down with the mount in it; nothing is
     left mounted on the host. Returns False (and changes nothing) when not root.
+
+    The copy is a *slave* of the host's mounts, not private: what the host unmounts
+    during a run goes away in here too (a private copy kept every mount of the host
+    alive, a FUSE server's included, for as long as the run lasted), while nothing
+    mounted in here (the guarded mount, the sandbox's binds) propagates out.
     """
     if os.geteuid() != 0:
         return False
@@ -75,9 +80,9 @@ def private_mount_namespace() -> bool:
     if libc.unshare(_CLONE_NEWNS) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"unshare(CLONE_NEWNS): {os.strerror(err)}")
-    if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+    if libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"making / private: {os.strerror(err)}")
+        raise OSError(err, f"making / a slave of the host's mounts: {os.strerror(err)}")
     return True
 
 

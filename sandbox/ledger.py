@@ -39,9 +39,13 @@ def render_state(snap: dict[str, Any]) -> str:
     omitted: dict[str, int] = snap.get("omitted", {})
     max_files = "unlimited" if files["max"] is None else files["max"]
     max_window = "unlimited" if tokens["max_window"] is None else tokens["max_window"]
+    failure = snap.get("guard_failure")  # set by guard run when the guard itself failed
     lines = [
-        f"# guard state: {snap['state']}",
+        f"# guard state: {snap['state']}" if failure is None else
+        f"# guard state: GUARD FAILED (internal error; the breaker was {snap['state']})",
         "",
+        *([f"**The guard failed** ({md_text(failure['error'])}) and stopped the agent; traceback in "
+           f"{md_text(failure['traceback'])}.", ""] if failure is not None else []),
         f"**Task {md_text(snap['task']['id'])}**: {md_text(snap['task']['goal'])}",
         "",
         "## Scope",

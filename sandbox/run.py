@@ -21,6 +21,7 @@ import sys
 import tempfile
 import termios
 import time
+import traceback
 import tty
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -43,8 +44,9 @@ from sandbox.daemon import Daemon
 from sandbox.exitcodes import Exit
 from sandbox.isolation import bwrap_argv, private_mount_namespace, probe, system_entry
 from sandbox.lanes import LaneStage, plan_lanes
+from sandbox.ledger import write_ledger
 from sandbox.quarantine import Recorder, console, digest
-from sandbox.supervisor import ProcessTree
+from sandbox.supervisor import ProcessTree, Spawner, wait_exit
 
 __all__ = ["RunOptions", "default_run_dir", "run"]
 
@@ -74,6 +76,12 @@ class _Outcome:
     notes: list[str] = field(default_factory=list)
     tree: ProcessTree | None = None  # the agent's, once started
     recorders: list[Recorder] = field(default_factory=list)  # the agent's logs, for the summary
+    failure: dict[str, str] | None = None  # the guard's own defect: what it was, where its traceback is
+
+    def recorder(self, log: Path, echo: BinaryIO | None, cap: int) -> Recorder:
+        """A new quarantine log of the agent's, kept for the summary."""
+        self.recorders.append(Recorder(log, echo, cap))
+        return self.recorders[-1]
 
 
 def _halting(events: EventLog, outcome: _Outcome) -> Callable[..., Any]:
@@ -103,12 +111,7 @@ def _say(text: str) -> None:
 def run(opts: RunOptions) -> int:
     """Run the agent under guard; returns the exit status."""
     check_fuse_available()
-    bwrap = None
-    if opts.isolation:
-        bwrap = probe().bwrap  # raises IsolationUnavailable: the CLI turns it into 69
-    else:
-        _say("WARNING: --no-isolation: the agent runs unsandboxed; it can write anywhere its user can, "
-             "and reach the real workspace; only the mount's own rules apply to what goes through it")
+    bwrap = _sandbox_tool(opts)
     run_dir = opts.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     # What the agent's side must reach (the mount, the agent socket) lives in the run
@@ -141,7 +144,7 @@ def run(opts: RunOptions) -> int:
     unmount = init_mount(fs, str(mnt), mount_options(f"guardfs:{opts.manifest.task.id}"))
     try:
         with keepalive(str(mnt)):
-            trio.run(_main, opts, bwrap, daemon, outcome, mnt, lane_args)
+            outcome.failure = _serve(opts, bwrap, daemon, outcome, mnt, lane_args)
     finally:
         unmount()
         fs.close()
@@ -153,11 +156,22 @@ def run(opts: RunOptions) -> int:
             mnt.rmdir()
             if stage != run_dir:
                 stage.rmdir()
+    _ledger_failure(run_dir, breaker, outcome.failure)  # after the daemon's last write
     status = _exit_status(outcome)
     _summary(opts, breaker, accounting, events, outcome, status)
     if not private:
         _say("(unprivileged run: the mount lived in the host's mount namespace and has been removed)")
     return status
+
+
+def _sandbox_tool(opts: RunOptions) -> str | None:
+    """bubblewrap's path; None (said aloud) with --no-isolation. Raises IsolationUnavailable,
+    which the CLI turns into 69."""
+    if opts.isolation:
+        return probe().bwrap
+    _say("WARNING: --no-isolation: the agent runs unsandboxed; it can write anywhere its user can, "
+         "and reach the real workspace; only the mount's own rules apply to what goes through it")
+    return None
 
 
 def _keep_exec_logs(stage: Path, run_dir: Path) -> None:
@@ -177,7 +191,38 @@ def _checkpoint(fs: GuardFS) -> None:
         fs.preimages.checkpoint()
 
 
+def _serve(
+    opts: RunOptions, bwrap: str | None, daemon: Daemon, outcome: _Outcome, mnt: Path, lane_args: list[str]
+) -> dict[str, str] | None:
+    """The run's trio loop. A defect of ours that escapes it (a FUSE handler, the daemon, a
+    pump) has stopped the agent on its way out; it is recorded, and the run ends with 70."""
+    try:
+        trio.run(_main, opts, bwrap, daemon, outcome, mnt, lane_args)
+    except Exception as err:
+        return _record_failure(opts.run_dir, err)
+    return None
+
+
+def _ledger_failure(run_dir: Path, breaker: Breaker, failure: dict[str, str] | None) -> None:
+    """The ledger of a run whose guard failed says so: never a plain CLOSED."""
+    if failure is not None:
+        write_ledger(run_dir, {**breaker.snapshot(), "guard_failure": failure})
+
+
+def _record_failure(run_dir: Path, err: Exception) -> dict[str, str]:
+    """Write the traceback of the guard's own failure into the run directory; say where."""
+    path = run_dir / "guard-error.log"
+    path.write_text("".join(traceback.format_exception(err)), errors="backslashreplace")
+    leaf: BaseException = err
+    while isinstance(leaf, BaseExceptionGroup) and leaf.exceptions:  # trio's nurseries wrap it
+        leaf = leaf.exceptions[0]
+    _say(f"internal error ({type(leaf).__name__}): the guard failed and stopped the agent; traceback in {path}")
+    return {"error": type(leaf).__name__, "message": str(leaf)[:500], "traceback": str(path)}
+
+
 def _exit_status(outcome: _Outcome) -> int:
+    if outcome.failure is not None:
+        return Exit.SOFTWARE
     if outcome.tripped is not None:
         return Exit.TRIPPED
     if outcome.interrupted is not None:
@@ -328,45 +373,62 @@ async def _run_agent(
     use_pty = not opts.ci and os.isatty(0) and os.isatty(1)
     argv, cwd, env = _agent_argv(opts, bwrap, daemon, use_pty, mnt, lane_args)
     echo = None if opts.ci else console()
-    logs = opts.run_dir
+    logs, cap = opts.run_dir, opts.manifest.sandbox.log_max_bytes
+    # The spawner's thread forks the agent and outlives it: see Spawner for why no trio
+    # worker thread may (bubblewrap's --die-with-parent is relative to the forking thread).
+    with Spawner() as spawner, contextlib.ExitStack() as streams:
+        async with trio.open_nursery() as nursery:
+            if use_pty:
+                master, slave = os.openpty()
+                _copy_winsize(0, slave)
+                try:
+                    proc = await spawner.popen(argv, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env)
+                finally:
+                    os.close(slave)
+                (logs / "stderr.log").touch()
+                nursery.start_soon(_pump_fd, master, outcome.recorder(logs / "stdout.log", echo, cap), daemon,
+                                   _Lines(opts.agent, daemon))
+                nursery.start_soon(_forward_stdin, master)
+            else:
+                stdout, out_w = _pipe(streams)
+                stderr, err_w = _pipe(streams)
+                try:
+                    proc = await spawner.popen(argv, stdin=None if not opts.ci else subprocess.DEVNULL,
+                                               stdout=out_w, stderr=err_w, cwd=cwd, env=env)
+                finally:
+                    os.close(out_w)
+                    os.close(err_w)
+                err_echo = None if opts.ci else os.fdopen(os.dup(2), "wb", buffering=0)
+                nursery.start_soon(_pump, stdout, outcome.recorder(logs / "stdout.log", echo, cap), daemon,
+                                   _Lines(opts.agent, daemon))
+                nursery.start_soon(_pump, stderr, outcome.recorder(logs / "stderr.log", err_echo, cap), daemon, None)
+            tree = outcome.tree = ProcessTree(proc.pid)
+            try:
+                async with trio.open_nursery() as watchers:
+                    watchers.start_soon(_watch, daemon.breaker, tree, opts, outcome)
+                    watchers.start_soon(_on_signals, tree, outcome)
+                    with _raw_terminal(use_pty):
+                        code = await wait_exit(proc)
+                    outcome.status = 128 - code if code < 0 else code
+                    watchers.cancel_scope.cancel()
+            finally:
+                if proc.returncode is None:  # the guard failed or was cancelled: the agent goes first
+                    with trio.CancelScope(shield=True):
+                        await tree.terminate(grace=1.0)
+                        await wait_exit(proc)
+            state = daemon.breaker.state
+            if outcome.tripped is None and state.terminal and (opts.ci or opts.manifest.breaker.on_terminal == "stop"):
+                outcome.tripped = state  # the agent ended before the watcher could stop it
+            if use_pty:
+                nursery.cancel_scope.cancel()  # the stdin forwarder never ends by itself
 
-    def recorder(name: str, echo: BinaryIO | None) -> Recorder:
-        outcome.recorders.append(Recorder(logs / name, echo, opts.manifest.sandbox.log_max_bytes))
-        return outcome.recorders[-1]
 
-    async with trio.open_nursery() as nursery:
-        if use_pty:
-            master, slave = os.openpty()
-            _copy_winsize(0, slave)
-            proc = await trio.lowlevel.open_process(argv, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env)
-            os.close(slave)
-            (logs / "stderr.log").touch()
-            nursery.start_soon(_pump_fd, master, recorder("stdout.log", echo), daemon, _Lines(opts.agent, daemon))
-            nursery.start_soon(_forward_stdin, master)
-        else:
-            proc = await trio.lowlevel.open_process(
-                argv, stdin=None if not opts.ci else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env,
-            )
-            assert proc.stdout is not None
-            assert proc.stderr is not None
-            err_echo = None if opts.ci else os.fdopen(os.dup(2), "wb", buffering=0)
-            nursery.start_soon(_pump, proc.stdout, recorder("stdout.log", echo), daemon,
-                               _Lines(opts.agent, daemon))
-            nursery.start_soon(_pump, proc.stderr, recorder("stderr.log", err_echo), daemon, None)
-        tree = outcome.tree = ProcessTree(proc.pid)
-        async with trio.open_nursery() as watchers:
-            watchers.start_soon(_watch, daemon.breaker, tree, opts, outcome)
-            watchers.start_soon(_on_signals, tree, outcome)
-            with _raw_terminal(use_pty):
-                code = await proc.wait()
-            outcome.status = 128 - code if code < 0 else code
-            watchers.cancel_scope.cancel()
-        state = daemon.breaker.state
-        if outcome.tripped is None and state.terminal and (opts.ci or opts.manifest.breaker.on_terminal == "stop"):
-            outcome.tripped = state  # the agent ended before the watcher could stop it
-        if use_pty:
-            nursery.cancel_scope.cancel()  # the stdin forwarder never ends by itself
+def _pipe(streams: contextlib.ExitStack) -> tuple[trio.lowlevel.FdStream, int]:
+    """A pipe from a child: our end as a stream (closed with *streams*), the child's end as an fd."""
+    ours, theirs = os.pipe()
+    stream = trio.lowlevel.FdStream(ours)
+    streams.callback(stream.close)
+    return stream, theirs
 
 
 class _Lines:
@@ -510,10 +572,15 @@ def _summary(opts: RunOptions, breaker: Breaker, accounting: WriteAccounting, ev
         f"  run directory: {opts.run_dir} (stdout.log, stderr.log, events.jsonl, ledger.json, STATE.md)",
         *(f"  output capped: {r.describe()}" for r in outcome.recorders if r.dropped),
     ]
+    if outcome.failure is not None:
+        lines.insert(1, f"  GUARD FAILED: internal error ({outcome.failure['error']}); the agent was stopped; "
+                        f"traceback in {outcome.failure['traceback']}")
     if opts.ci:
         logs = [opts.run_dir / "stdout.log", opts.run_dir / "stderr.log"]
         what = f"agent exited with status {outcome.status}" if outcome.tripped is None else \
             f"agent stopped by the breaker ({outcome.tripped.value})"
+        if outcome.failure is not None:
+            what = f"the guard failed (internal error, traceback in {outcome.failure['traceback']}); agent stopped"
         print(digest(what, logs), flush=True)
         _github(opts.run_dir, status)
     _say("\n".join(lines))

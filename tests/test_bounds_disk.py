@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -32,7 +34,7 @@ from sandbox.quarantine import LOG_MAX_BYTES, Recorder, _failing_lines, digest
 
 from .conftest import _ServerThread
 from .helpers import FIX_TAX, wait_for
-from .test_run import UNPRIVILEGED_PYTHON, _pythonpath, needs_root, workspace
+from .test_run import UNPRIVILEGED_PYTHON, _copy_installation, needs_root, workspace
 
 MiB = 1 << 20
 
@@ -179,9 +181,21 @@ EXEC = """
 """
 
 
+@pytest.fixture(scope="module")
+def installation() -> Iterator[str]:
+    """guardfs and its dependencies copied where another user can read them: a PYTHONPATH."""
+    lib = Path(tempfile.mkdtemp(prefix="guardfs-lib-"))  # under /tmp, reachable by that user
+    try:
+        os.chmod(lib, 0o755)  # noqa: S103 - the other user must read it
+        yield _copy_installation(lib)
+    finally:
+        shutil.rmtree(lib)
+
+
 @needs_root
 @pytest.mark.parametrize("user", [None, "nobody"])
-def test_guard_exec_logs_land_in_the_run_directory_capped(tmp_path: Path, user: str | None) -> None:
+def test_guard_exec_logs_land_in_the_run_directory_capped(tmp_path: Path, user: str | None,
+                                                           request: pytest.FixtureRequest) -> None:
     ws, manifest = workspace(tmp_path)
     manifest.write_text(FIX_TAX + "[sandbox]\nlog_max_bytes = 4096\n")
     run_dir = tmp_path / "run"
@@ -191,7 +205,7 @@ def test_guard_exec_logs_land_in_the_run_directory_capped(tmp_path: Path, user: 
         subprocess.run(["chown", "-R", "65534:65534", str(ws)], check=True)
         flags = ["--user", user]
         # This interpreter may live where that user cannot reach (under /root): the system's.
-        guard, env["PYTHONPATH"] = [UNPRIVILEGED_PYTHON, "-m", "sandbox"], _pythonpath()
+        guard, env["PYTHONPATH"] = [UNPRIVILEGED_PYTHON, "-m", "sandbox"], request.getfixturevalue("installation")
     result = subprocess.run(
         [sys.executable, "-m", "sandbox", "run", "--ci", *flags, "--manifest", str(manifest), "--run-dir",
          str(run_dir), "--", UNPRIVILEGED_PYTHON, "-c", textwrap.dedent(EXEC).format(guard=guard)],

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pexpect
@@ -396,53 +399,89 @@ def test_guard_exec_quarantines_a_command_and_reports_it(tmp_path: Path) -> None
 
 
 UNPRIVILEGED_PYTHON = "/usr/bin/python3"
+UNPRIVILEGED = "65534"  # nobody
 
 
-def _unprivileged_precondition(tmp: Path) -> str | None:
-    """Why an unprivileged guard cannot run here, or None."""
-    if os.geteuid() != 0:
-        return "needs root to drop to another user"
-    probe = subprocess.run(
-        ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", UNPRIVILEGED_PYTHON, "-c",
-         "import os; f = os.open('/dev/fuse', os.O_RDWR); import pyfuse3, sandbox"],
-        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": _pythonpath()}, cwd=tmp,
-    )
-    if probe.returncode != 0:
-        return ("an unprivileged user cannot use FUSE or this installation here: "
-                + probe.stderr.strip().splitlines()[-1])
-    return None
+def _copy_installation(dest: Path) -> str:
+    """Copy guardfs, sandbox and their runtime dependencies to *dest*, for a user who may not
+    read this checkout or its virtualenv (CI's live under /root); returns a PYTHONPATH."""
+    from importlib import metadata
 
-
-def _pythonpath() -> str:
-    import pyfuse3
+    from packaging.requirements import Requirement
 
     import sandbox
-    return ":".join([str(Path(pyfuse3.__file__).parent.parent), str(Path(sandbox.__file__).parent.parent)])
+
+    here = Path(sandbox.__file__).resolve().parent.parent
+    for package in ("guardfs", "sandbox"):
+        shutil.copytree(here / package, dest / package, ignore=shutil.ignore_patterns("__pycache__"))
+    todo, seen = ["pyfuse3", "trio", "psutil", "pydantic", "pathspec"], set()
+    while todo:
+        dist = metadata.distribution(todo.pop())
+        name = dist.metadata["Name"].lower()
+        if name in seen:
+            continue
+        seen.add(name)
+        for top in {Path(str(f)).parts[0] for f in dist.files or []} - {"..", "__pycache__"}:
+            src = Path(str(dist.locate_file(top)))
+            if src.is_dir() and not (dest / top).exists():
+                shutil.copytree(src, dest / top, ignore=shutil.ignore_patterns("__pycache__"))
+            elif src.is_file():
+                shutil.copy2(src, dest / top)
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):  # not extras, not other Pythons
+                todo.append(req.name)
+    return str(dest)
 
 
-def test_unprivileged_guard_run(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _fuse_open_to_others() -> Iterator[None]:
+    """/dev/fuse read-write for other users while the block runs (as Debian ships it, 0666),
+    then its mode as it was."""
+    mode = stat.S_IMODE(os.stat("/dev/fuse").st_mode)
+    os.chmod("/dev/fuse", mode | 0o006)  # noqa: S103 - the point of the test; restored below
+    try:
+        yield
+    finally:
+        os.chmod("/dev/fuse", mode)
+
+
+@needs_root
+def test_unprivileged_guard_run() -> None:
     """The whole of guard run as an unprivileged user (uid 65534): fusermount3, bubblewrap in a
-    user namespace, Landlock. /dev/fuse must be open to users (0666, as Debian ships it)."""
-    base = Path(tempfile.mkdtemp(prefix="guardfs-unpriv-"))
+    user namespace, Landlock. The test opens /dev/fuse to users for its duration."""
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("/dev/fuse is missing: this test needs a real FUSE mount")
+    base = Path(tempfile.mkdtemp(prefix="guardfs-unpriv-"))  # under /tmp: reachable by the user
     try:
         os.chmod(base, 0o755)  # noqa: S103 - the other user must reach it
-        reason = _unprivileged_precondition(base)
-        if reason is not None:
-            pytest.skip(reason)
+        pythonpath = _copy_installation(base / "lib")
         ws, manifest = workspace(base)
-        subprocess.run(["chown", "-R", "65534:65534", str(base)], check=True)
-        result = subprocess.run(
-            ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", UNPRIVILEGED_PYTHON, "-m",
-             "sandbox", "run", "--ci", "--manifest", str(manifest), "--run-dir", str(base / "run"), "--",
-             "sh", "-c", "echo '# ok' >> src/checkout/tax.py; echo x > README.md; id -u"],
-            cwd=ws, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONPATH": _pythonpath(), "HOME": str(base)},
-        )
-        assert result.returncode in (0, 1), result.stderr
+        subprocess.run(["chown", "-R", f"{UNPRIVILEGED}:{UNPRIVILEGED}", str(base)], check=True)
+        user = ["setpriv", "--reuid", UNPRIVILEGED, "--regid", UNPRIVILEGED, "--clear-groups", UNPRIVILEGED_PYTHON]
+        env = {**os.environ, "PYTHONPATH": pythonpath, "HOME": str(base)}
+        mode = stat.S_IMODE(os.stat("/dev/fuse").st_mode)
+        with _fuse_open_to_others():
+            probe = subprocess.run([*user, "-c", "import os; os.close(os.open('/dev/fuse', os.O_RDWR)); "
+                                    "import pyfuse3, sandbox.run"], capture_output=True, text=True, env=env, cwd=base)
+            assert probe.returncode == 0, probe.stderr
+            result = subprocess.run(
+                [*user, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest), "--run-dir", str(base / "run"),
+                 "--", "sh", "-c", "echo '# ok' >> src/checkout/tax.py; echo x > README.md || echo refused; "
+                 "id -u; exit 3"],
+                cwd=ws, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, env=env,
+            )
+        assert stat.S_IMODE(os.stat("/dev/fuse").st_mode) == mode
+        assert result.returncode == 3, result.stderr  # the agent's own status, through a clean teardown
+        assert "Traceback" not in result.stderr, result.stderr
         assert (ws / "src/checkout/tax.py").read_text().endswith("# ok\n")
         assert (ws / "README.md").read_text() == "readme\n"
+        log = (base / "run/stdout.log").read_text()
+        assert log.splitlines() == ["refused", UNPRIVILEGED], log
+        assert "Read-only file system" in (base / "run/stderr.log").read_text()
+        assert "unprivileged run" in result.stderr
         with open("/proc/self/mountinfo", encoding="utf-8") as f:
-            assert "guardfs" not in f.read()
+            assert str(base) not in f.read()  # fusermount3's own unmount: in the host's namespace
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
