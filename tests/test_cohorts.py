@@ -28,4 +28,4 @@ def test_eight_trajectories(tmp_path: Path) -> None:
     assert summary["C"]["first_trip_rules"] == {"oscillation": 2}
     assert summary["D"]["first_trip_rules"] == {"token_surge": 2}
     assert summary["D"]["tokens_saved"] > 0
-    assert (tmp_path / "cohorts.svg").read_text().startswith("<svg")
+    assert (tmp_path / "cohorts.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn by matplotlib

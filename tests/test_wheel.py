@@ -89,5 +89,6 @@ def test_hook_helper_is_built_into_the_users_cache(installed: Path, tmp_path: Pa
     assert Path(helper).is_relative_to(tmp_path / "cache"), helper
     where = "import os, sandbox; print(os.path.dirname(sandbox.__file__))"
     site = subprocess.run([str(installed / "python"), "-c", where], capture_output=True, text=True, check=True,
-                          timeout=60, env=_outside_checkout(installed, tmp_path))
+                          timeout=60, cwd=tmp_path, env=_outside_checkout(installed, tmp_path))
+    assert Path(site.stdout.strip()).is_relative_to(installed.parent), site.stdout  # the wheel's, not the checkout's
     assert not list(Path(site.stdout.strip()).rglob("guard-hook-*"))
