@@ -87,7 +87,7 @@ if ! podman image exists "$BASE_IMAGE"; then
         [ -f "$f" ] || continue
         grep -E '^deb .*[/.]debian\.org' "$f" > "$TMP/$(basename "$f").list" && sources+=("$TMP/$(basename "$f").list")
     done
-    stamp "building $BASE_IMAGE with mmdebstrap from ${sources[*]:-Debian's default mirror}"
+    stamp "building $BASE_IMAGE with mmdebstrap from ${sources[*]:-the default Debian mirror}"
     mmdebstrap --quiet --variant=minbase --include=ca-certificates bookworm "$TMP/base.tar" "${sources[@]}" >&2
     podman import --quiet --change 'CMD ["/bin/bash"]' "$TMP/base.tar" "$BASE_IMAGE" >&2
     rm -f "$TMP/base.tar"
@@ -101,9 +101,7 @@ find /usr/local/share/ca-certificates -name '*.crt' -type f -exec cat {} + > "$T
 [ -s "$TMP/extra_ca.pem" ] && build+=(--secret "id=extra_ca,src=$TMP/extra_ca.pem")
 # pip's index settings: the network ones (http/https) from PIP_* or pip's config files; local
 # file:// indexes and find-links of the host do not exist in the build.
-while IFS='=' read -r key value; do
-    [ -n "$value" ] && build+=(--build-arg "$key=$value")
-done < <(python3 - <<'PY'
+python3 - > "$TMP/pip.env" <<'PY'
 import configparser, os
 keys = {"index-url": "PIP_INDEX_URL", "extra-index-url": "PIP_EXTRA_INDEX_URL", "timeout": "PIP_DEFAULT_TIMEOUT",
         "default-timeout": "PIP_DEFAULT_TIMEOUT"}
@@ -123,7 +121,9 @@ for env, value in sorted(found.items()):
         value = " ".join(u for u in value.split() if u.startswith(("http://", "https://")))
     print(f"{env}={value}")
 PY
-)
+while IFS='=' read -r key value; do
+    [ -n "$value" ] && build+=(--build-arg "$key=$value")
+done < "$TMP/pip.env"
 stamp "building $IMAGE"
 start=$SECONDS
 if podman build --quiet --network host -f "$TMP/src/containers/Dockerfile" -t "$IMAGE" "${build[@]}" "$TMP/src" > "$TMP/build.log" 2>&1; then
