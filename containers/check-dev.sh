@@ -7,6 +7,8 @@ check() { if [ "$2" -eq 0 ]; then echo "CHECK devcontainer-$1 ok"; else echo "CH
 mounted() { grep -q ' /workspace fuse' /proc/self/mounts; }
 state() { guard status --json --run-dir /run/guard 2>&1 | python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])' 2>&1; }
 
+# devcontainer up returns before the entrypoint is done: wait (bounded) for the relay.
+for _ in $(seq 1 300); do [ -S /run/guard/control.sock ] && break; sleep 0.1; done
 [ "$(id -un)" = dev ]; check shell-non-root $? "id: $(id)"
 mounted; check view-mounted $? "$(grep workspace /proc/self/mounts)"
 out=$(guard status --run-dir /run/guard 2>&1); check guard-status $? "$out"

@@ -9,7 +9,7 @@ and the replies back, with two limits:
 
 * only ``status``, ``approve`` and ``checkpoint`` pass: a human may look and loosen a trip;
   ``stop`` and ``rollback`` stay with root (``podman exec -u root``);
-* a caller whose mount or PID namespace is not the container's own is refused: every agent
+* a caller in a PID namespace below the container's is refused: every agent
   runs under ``guard run``, inside bubblewrap's namespaces, so an agent cannot approve its
   own trip even though it runs as the developer's user. The developer's shell and
   ``devcontainer exec`` share the container's namespaces.
@@ -39,14 +39,17 @@ def _refusal(conn: socket.socket) -> str | None:
     """Why this peer may not use the relay, or None."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, _gid = struct.unpack("3i", creds)
-    for ns in ("mnt", "pid"):
-        try:
-            theirs = os.readlink(f"/proc/{pid}/ns/{ns}")
-        except OSError:
-            return f"cannot see the caller's {ns} namespace (pid {pid}); refusing"
-        if theirs != os.readlink(f"/proc/self/ns/{ns}"):
-            return (f"uid {uid} calls from inside a sandbox ({ns} namespace {theirs}); an agent may not "
-                    "steer its guard: ask the human in the developer's shell")
+    # NSpid lists the caller's pid in each PID namespace from ours down: one entry for a
+    # process of the container, two or more inside a `guard run` sandbox (bubblewrap's own
+    # PID namespace). /proc/PID/status needs no ptrace right, unlike /proc/PID/ns/*.
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8") as f:
+            nspid = next((line.split()[1:] for line in f if line.startswith("NSpid:")), [])
+    except OSError as err:
+        return f"cannot read the caller's status (pid {pid}: {err}); refusing"
+    if len(nspid) != 1:
+        return (f"uid {uid} calls from inside a sandbox (PID namespaces {nspid}); an agent may not "
+                "steer its guard: ask the human in the developer's shell")
     return None
 
 

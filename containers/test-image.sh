@@ -156,7 +156,8 @@ git clone --quiet "$REPO" "$TMP/ws"
 chown -R 1000:1000 "$TMP/ws"
 # The repository's devcontainer.json with the image just built instead of a second build
 # (the build needs the secret and the base image above, which devcontainer.json cannot pass).
-python3 - "$TMP/ws/containers/devcontainer.json" "$IMAGE" > "$TMP/devcontainer.json" <<'PY'
+mkdir "$TMP/config"  # the CLI wants the file named devcontainer.json
+python3 - "$TMP/ws/containers/devcontainer.json" "$IMAGE" > "$TMP/config/devcontainer.json" <<'PY'
 import json, re, sys
 text = open(sys.argv[1], encoding="utf-8").read()
 config = json.loads(re.sub(r"^\s*//.*$", "", text, flags=re.M))
@@ -164,7 +165,7 @@ config.pop("build")
 config["image"] = sys.argv[2]
 json.dump(config, sys.stdout, indent=2)
 PY
-dc=("$cli" --docker-path podman --workspace-folder "$TMP/ws" --config "$TMP/devcontainer.json")
+dc=("$cli" --docker-path podman --workspace-folder "$TMP/ws" --config "$TMP/config/devcontainer.json")
 stamp "devcontainer up"
 if up=$(timeout 300 "${dc[0]}" up "${dc[@]:1}" --log-level info 2> "$TMP/up.err"); then
     DC_ID=$(python3 -c 'import json,sys; print(json.loads(sys.stdin.read().strip().splitlines()[-1])["containerId"])' <<<"$up")
