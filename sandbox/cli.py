@@ -107,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--manifest", metavar="M", required=True, help="scope manifest (TOML)")
     run.add_argument("--workspace", metavar="DIR", help="the workspace (default: the current directory)")
     run.add_argument("--run-dir", metavar="D", help="run directory (default: a new one under "
-                     "$XDG_STATE_HOME/guardfs/runs, printed at start)")
+                     "$XDG_STATE_HOME/guardfs/runs, or /var/lib/guardfs/runs with --user; printed at start)")
     run.add_argument("--ci", action="store_true", help="CI mode: a terminal trip stops the agent at "
                      "once; the console gets a digest instead of the raw output")
     run.add_argument("--no-isolation", action="store_true", help="DANGEROUS: run the agent without "
@@ -271,7 +271,7 @@ def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: Eve
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from sandbox.isolation import IsolationUnavailable
-    from sandbox.run import RunOptions, default_run_dir, detect_agent, run
+    from sandbox.run import SYSTEM_RUNS, RunOptions, default_run_dir, detect_agent, run
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -284,7 +284,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not workspace.is_dir():
         print(f"guard run: workspace {workspace} is not a directory", file=sys.stderr)
         return Exit.USAGE
-    run_dir = Path(os.path.realpath(args.run_dir)) if args.run_dir else default_run_dir(manifest.task.id)
+    run_dir = Path(os.path.realpath(args.run_dir)) if args.run_dir else default_run_dir(
+        manifest.task.id, SYSTEM_RUNS if args.user is not None else None)
     if run_dir.is_relative_to(workspace) or workspace.is_relative_to(run_dir):
         print(f"guard run: the run directory {run_dir} must lie outside the workspace {workspace} "
               "(it holds the control socket)", file=sys.stderr)

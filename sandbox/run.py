@@ -48,7 +48,7 @@ from sandbox.ledger import write_ledger
 from sandbox.quarantine import Recorder, console, digest
 from sandbox.supervisor import ProcessTree, Spawner, wait_exit
 
-__all__ = ["RunOptions", "default_run_dir", "run"]
+__all__ = ["SYSTEM_RUNS", "RunOptions", "default_run_dir", "run"]
 
 
 @dataclass
@@ -97,9 +97,14 @@ def _halting(events: EventLog, outcome: _Outcome) -> Callable[..., Any]:
     return emit
 
 
-def default_run_dir(task_id: str) -> Path:
-    """A fresh directory under the user's state directory."""
-    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local/state") / "guardfs/runs"
+#: Where runs of an agent of another user (--user) go by default: root's home is closed to
+#: that user, whose bubblewrap must reach the run directory to hide it.
+SYSTEM_RUNS = Path("/var/lib/guardfs/runs")
+
+
+def default_run_dir(task_id: str, base: Path | None = None) -> Path:
+    """A fresh directory under *base* (default: the user's state directory)."""
+    base = base or Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local/state") / "guardfs/runs"
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return base / f"{stamp}-{task_id}-{os.getpid()}"
 
