@@ -54,10 +54,10 @@ def in_process(n: int) -> dict[str, dict[str, float]]:
         (Path(tmp) / "src/checkout/tax.py").write_text("x = 1\n")
         accounting = WriteAccounting()
         breaker = Breaker(manifest, accounting, now=time.monotonic)
-        fs = GuardFS(tmp, manifest, EventLog(None), breaker, accounting=accounting)
+        fs = GuardFS(tmp, manifest, EventLog(None), decider=breaker, accounting=accounting)
         st = os.stat(Path(tmp) / "src/checkout/tax.py")
         ino = fs.inodes.remember(st.st_ino, st.st_mode, "src/checkout/tax.py").ino
-        get, check = fs.inodes.get, fs._check
+        get, check = fs.inodes.get, fs.gate.check
 
         def write_event(_: int) -> None:
             entry = get(ino)

@@ -381,7 +381,7 @@ def decision_cost(samples: int = 200_000) -> dict[str, float]:
         fs = GuardFS(tmp, parse_manifest(MANIFEST), EventLog(None))
         where = fs.policy.classify("src/checkout/tax.py", False)
         request = Request("write", "src/checkout/tax.py", where, True)
-        check = fs._check  # the exact call every judged operation makes
+        check = fs.gate.check  # the exact call every judged operation makes
         cost = timed(lambda _: check(request), samples)
         fs.close()
     return cost | {"samples": samples}

@@ -259,8 +259,8 @@ def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: Eve
         print(f"guard mount: {err}", file=sys.stderr)
         return Exit.USAGE
     try:
-        fs = GuardFS(args.backing, manifest, events, breaker, args.cache_timeout, daemon.state_text, accounting,
-                     xattrs=args.xattrs)
+        fs = GuardFS(args.backing, manifest, events, decider=breaker, cache_timeout=args.cache_timeout,
+                     state_text=daemon.state_text, accounting=accounting, xattrs=args.xattrs)
         os.umask(0)
         print(f"guard: run directory {run_dir} (agent socket {daemon.agent_path})", file=sys.stderr)
         serve(fs, args.mountpoint, companions=[daemon.run])

@@ -123,7 +123,8 @@ def guarded_mount(
         daemon.prepare()
         decider, state_text = breaker, daemon.state_text
         companions.append(daemon.run)
-    fs = GuardFS(str(backing), parsed, events, decider, cache_timeout, state_text, accounting, xattrs=xattrs)
+    fs = GuardFS(str(backing), parsed, events, decider=decider, cache_timeout=cache_timeout, state_text=state_text,
+                 accounting=accounting, xattrs=xattrs)
     g = Guarded(fs, backing, mnt, events_path, daemon=daemon)
     if count_calls:
         _counting(fs, g.calls)

@@ -1,0 +1,75 @@
+"""Planning a rename: what it counts, what it rewrites, and what it carries along.
+
+A rename of a regular file onto a counted regular file is an atomic save (an editor's or a
+tool's write to a temporary name, then rename over the target): one rewrite of the target,
+judged on the content it brings, and the temporary file is not a file of its own. A file
+this run created moves on with its record; a directory carries its records, and is refused
+if it holds a forbidden or protected path or would put something of it under one.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from guardfs.backing import Backing
+from guardfs.decision import Request, Verdict
+from guardfs.gate import Commit, Gate
+from guardfs.policy import Classification, Scope
+from guardfs.sessions import read_small
+
+__all__ = ["check_carried", "plan_rename"]
+
+# What a moving directory may not hold, nor bring a name of its own under.
+_NOT_CARRIED = (Scope.FORBIDDEN, Scope.PROTECTED, Scope.GIT_CONFIG)
+
+
+def plan_rename(
+    gate: Gate,
+    backing: Backing,
+    src: tuple[str, os.stat_result, Classification],
+    dst: tuple[str, os.stat_result | None, Classification],
+    exchange: bool,
+) -> tuple[Request, Commit]:
+    """The request to judge for renaming *src* to *dst* (each path, its attributes before
+    the rename and its classification) and what the accounting commits once it is done."""
+    src_path, src_st, src_where = src
+    dst_path, dst_st, dst_where = dst
+    acct = gate.accounting
+    src_dir = stat.S_ISDIR(src_st.st_mode)
+    src_rec = acct.files.get(src_path)
+    src_is_new = src_rec is not None and src_rec.created
+    counted = [] if src_dir else [(src_path, src_where), (dst_path, dst_where)]
+    commit = Commit()
+    replacing = dst_st is not None and not exchange and stat.S_ISREG(dst_st.st_mode)
+    if replacing and dst_where.scope.counted and stat.S_ISREG(src_st.st_mode):
+        assert dst_st is not None
+        # An atomic save: one rewrite of the target, judged on the content it brings.
+        old = read_small(backing, dst_path, dst_st)
+        plan = acct.plan_rewrite(dst_path, old, read_small(backing, src_path, src_st))
+        commit = Commit(rewrite=plan, old=old, scratch=src_path)
+        counted = [] if src_rec is None or src_is_new else [(src_path, src_where)]
+    elif src_is_new and not exchange:
+        counted = []  # a file this run created moves on; its record moves with it
+    if commit.rewrite is None and not exchange and (src_dir or src_is_new):
+        commit = Commit(move=(src_path, dst_path))
+    request = Request(
+        "rename", src_path, src_where, True, target=dst_path, target_where=dst_where,
+        new_files=gate.new_files(*counted), rewrite=commit.rewrite,
+    )
+    return request, commit
+
+
+def check_carried(gate: Gate, backing: Backing, request: Request, src: str, dst: str) -> None:
+    """Refuse moving a directory that holds a forbidden or protected path, or would
+    put something of it under one."""
+    for below, is_dir in backing.walk(src):
+        for path in (below, dst + below[len(src):]):
+            where = gate.policy.classify(path, is_dir)
+            if where.scope in _NOT_CARRIED:
+                err = errno.EACCES if where.scope is Scope.FORBIDDEN else errno.EROFS
+                gate.deny(request, Verdict(
+                    False, where.key, where.pattern, err,
+                    f"moving {src} to {dst} would carry {path} ({where.describe()})",
+                ))
