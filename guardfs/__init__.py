@@ -16,7 +16,7 @@ sockets; ``sandbox`` builds on it, never the reverse.
 """
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from guardfs.decision import Decider, LimitsDecider, Request, Verdict
@@ -36,7 +36,7 @@ _HOME = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _HOME.get(name)
     if module is None:
         raise AttributeError(f"module 'guardfs' has no attribute {name!r}")

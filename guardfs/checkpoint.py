@@ -25,11 +25,12 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TextIO, TypedDict
 
 import trio
 
 from guardfs.backing import Backing
+from guardfs.events import Emit
 
 __all__ = ["CHECKPOINT_MAX_BYTES", "PreImages", "Rollback", "last_rollback", "rollback_offline"]
 
@@ -40,6 +41,17 @@ _NO_SHORTCUT = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno
 #: The default of ``[sandbox] checkpoint_max_bytes``.
 CHECKPOINT_MAX_BYTES = 1 << 30
 _LAST_ROLLBACK = "last-rollback.json"
+
+
+class _Record(TypedDict):
+    """One line of a generation's index.jsonl: how *path* was before its first change."""
+
+    path: str
+    kind: str  # absent, dir, symlink, fifo, file, unrestorable
+    mode: NotRequired[int]
+    target: NotRequired[str]  # symlink
+    size: NotRequired[int]  # unrestorable
+    blob: NotRequired[str]  # file: its copy's name in the generation directory
 
 
 @dataclass
@@ -73,7 +85,7 @@ class PreImages:
 
     def __init__(
         self, backing: Backing, store: Path, max_bytes: int = CHECKPOINT_MAX_BYTES,
-        emit: Callable[..., Any] | None = None,
+        emit: Emit | None = None,
     ) -> None:
         self.backing = backing
         self.store = store
@@ -85,7 +97,7 @@ class PreImages:
         self._emit = emit
         self._pending: dict[str, _Copy] = {}
         self._blobs = 0
-        self._index: Any = None
+        self._index: TextIO | None = None
         self._open_generation()
 
     def _dir(self) -> Path:
@@ -208,7 +220,8 @@ class PreImages:
         for below, _is_dir in self.backing.walk(path):
             self.before(below)
 
-    def _write(self, record: dict[str, Any]) -> None:
+    def _write(self, record: _Record) -> None:
+        assert self._index is not None
         self._index.write(json.dumps(record) + "\n")
         self._index.flush()
 
@@ -232,6 +245,7 @@ class PreImages:
     def rollback(self, on_changed: Callable[[str], None] | None = None) -> list[str]:
         """Restore every recorded path; returns the paths restored (the files that could not
         be are in :attr:`last_rollback`). Starts a new generation."""
+        assert self._index is not None
         self._index.flush()
         result = _restore(self.backing, self._dir(), on_changed)
         self.last_rollback = result
@@ -310,11 +324,11 @@ def _copy_range(src: int, out: int, offset: int, count: int) -> None:
             offset += written
 
 
-def _records(generation_dir: Path) -> list[dict[str, Any]]:
+def _records(generation_dir: Path) -> list[_Record]:
     index = generation_dir / "index.jsonl"
     if not index.exists():
         return []
-    out = []
+    out: list[_Record] = []
     for line in index.read_text(encoding="utf-8").splitlines():
         try:
             out.append(json.loads(line))
@@ -342,7 +356,7 @@ def _remove(backing: Backing, path: str) -> None:
     backing.forget_dirs()
 
 
-def _at_checkpoint(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _at_checkpoint(records: list[_Record]) -> list[_Record]:
     """The records that say how things were at the checkpoint.
 
     A path recorded after one of its ancestors was recorded absent (or as a non-directory)

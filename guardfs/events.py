@@ -23,11 +23,11 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from guardfs.manifest import Record
 
-__all__ = ["EventLog", "escape_name", "json_safe", "md_text", "printable", "unescape"]
+__all__ = ["Emit", "EventLog", "escape_name", "json_safe", "md_text", "printable", "unescape"]
 
 # What needs escaping in JSON: backslashes and lone surrogates (undecodable bytes carried by
 # surrogateescape are U+DC80..U+DCFF; JSON input can carry any other lone surrogate).
@@ -105,7 +105,7 @@ def unescape(text: str) -> bytes:
     return bytes(out)
 
 
-def json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:  # any JSON shape in, the same shape out: the caller knows it
     """*value* with every string in it (keys too) escaped by :func:`escape_name`."""
     if isinstance(value, str):
         return escape_name(value)
@@ -127,6 +127,14 @@ _NOISE_OPS = frozenset({"protocol"})
 
 def _kept(op: str, decision: str) -> bool:
     return op in _KEPT_OPS or (decision == "deny" and op not in _NOISE_OPS)
+
+
+class Emit(Protocol):
+    """Where an event goes: :meth:`EventLog.emit`, or a sink that wraps it."""
+
+    def __call__(self, op: str, path: str, decision: str, **fields: object) -> object:
+        """Record one event."""
+        ...
 
 
 class EventLog:
@@ -157,10 +165,10 @@ class EventLog:
             self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the log
             self._size = os.fstat(self._file.fileno()).st_size
 
-    def emit(self, op: str, path: str, decision: str, **fields: Any) -> dict[str, Any]:
+    def emit(self, op: str, path: str, decision: str, **fields: object) -> dict[str, object]:
         """Record one event; returns it (with its strings as given, not escaped)."""
         now = self.clock()
-        event: dict[str, Any] = {"time": round(now, 6), "op": op, "path": path, "decision": decision}
+        event: dict[str, object] = {"time": round(now, 6), "op": op, "path": path, "decision": decision}
         event.update((k, v) for k, v in fields.items() if v is not None)
         self.counts["deny" if decision == "deny" else op] += 1
         if self._file is None:
@@ -204,7 +212,7 @@ class EventLog:
         self._pending_caps.clear()
         self._write(line)
 
-    def _write(self, event: dict[str, Any]) -> None:
+    def _write(self, event: dict[str, object]) -> None:
         assert self._file is not None
         line = json.dumps(json_safe(event), separators=(",", ":")) + "\n"  # ASCII: len is bytes
         self._file.write(line)

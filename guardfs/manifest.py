@@ -12,7 +12,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Literal, get_args
 
 import pathspec
 from pydantic import (
@@ -23,6 +23,7 @@ from pydantic import (
     Field,
     ValidationError,
 )
+from pydantic_core import ErrorDetails
 
 from guardfs.errors import ManifestError
 
@@ -73,7 +74,7 @@ Pattern = Annotated[str, AfterValidator(_check_pattern)]
 ForbiddenPattern = Annotated[str, AfterValidator(_check_pattern), AfterValidator(_check_not_broad)]
 
 
-def _unlimited(value: Any) -> Any:
+def _unlimited(value: object) -> object:
     if isinstance(value, str):
         if value != "unlimited":
             raise ValueError(f'expected a positive integer or "unlimited", got {value!r}')
@@ -376,7 +377,7 @@ def _key(loc: tuple[int | str, ...]) -> str:
     return key
 
 
-def _reason(err: Any) -> str:
+def _reason(err: ErrorDetails) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
         return "unknown key (a typo? see 'guard check --help' for the schema)"

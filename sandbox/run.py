@@ -143,7 +143,8 @@ def run(opts: RunOptions) -> int:
                     agent_path=stage / "agent.sock")
     daemon.prepare()
     fs = GuardFS(str(opts.workspace), opts.manifest, events, decider=breaker, cache_timeout=opts.cache_timeout,
-                 state_text=daemon.state_text, accounting=accounting, checkpoint_dir=run_dir / "checkpoint", xattrs=opts.xattrs)
+                 state_text=daemon.state_text, accounting=accounting, checkpoint_dir=run_dir / "checkpoint",
+                 xattrs=opts.xattrs)
     fs_box.append(fs)
     os.umask(0)
     unmount = init_mount(fs, str(mnt), mount_options(f"guardfs:{opts.manifest.task.id}"))
