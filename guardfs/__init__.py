@@ -7,8 +7,11 @@ Layers, from the pure core outwards:
 - :mod:`guardfs.accounting` and :mod:`guardfs.signature` count what the agent mutates;
 - :mod:`guardfs.decision` is the protocol through which an injected decider (the breaker)
   judges each operation;
-- :mod:`guardfs.fs`, :mod:`guardfs.inodes` and :mod:`guardfs.backing` are the FUSE
-  passthrough itself; :mod:`guardfs.mount` serves it.
+- :mod:`guardfs.fs` is the FUSE passthrough itself, one thin handler per request, over
+  :mod:`guardfs.gate` (the one path from a request to verdict, accounting, the decider's
+  commit and the event), :mod:`guardfs.sessions` (write sessions of open files),
+  :mod:`guardfs.rename` (rename planning), :mod:`guardfs.virtual` (``.guard/STATE.md``),
+  :mod:`guardfs.inodes` and :mod:`guardfs.backing`; :mod:`guardfs.mount` serves it.
 
 The FUSE layer (which needs libfuse) is imported from :mod:`guardfs.fs` on demand, so the
 manifest tools work on a machine without FUSE. guardfs knows nothing of processes or
