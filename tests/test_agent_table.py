@@ -173,3 +173,11 @@ def test_a_fourth_agent_is_detected_launched_and_parsed_by_guard_run(fourth: dic
     assert seen["argv"][1].endswith(" aider") and seen["settings"] == seen["argv"][1]
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert ledger["tokens"]["total"] == 1234  # its output went through the parser its entry names
+
+
+def test_a_malformed_event_name_of_any_type_is_refused_not_raised() -> None:
+    # hypothesis found it: the event names are a set now, and a list is not hashable
+    err = fasthook.HookPayloadError("hook_event_name must be a string")
+    for name in ([1], {"a": 1}, 3, None):
+        assert fasthook.refuse_malformed({"hook_event_name": name, "tool_name": "Write"}, err)[0] == fasthook.BLOCK
+    assert fasthook.refuse_malformed({"hook_event_name": "AfterTool"}, err, "gemini")[0] == 0

@@ -280,7 +280,7 @@ def refuse_malformed(event: Any, err: HookPayloadError, agent: str | None = None
     name = event.get("hook_event_name") if isinstance(event, dict) else None
     tool = event.get("tool_name") if isinstance(event, dict) else None
     tool_text = tool[:_MAX_TOOL_NAME] if isinstance(tool, str) and tool else "the tool"
-    if name in _POST:
+    if isinstance(name, str) and name in _POST:  # a name of another type is not hashable
         return 0, f"guard hook: cannot read this hook event ({err}); nothing reported"
     return _block(agent), f"guard: refusing {tool_text}: its hook event cannot be read ({err})"
 
