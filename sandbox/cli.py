@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from guardfs.errors import ManifestError, MountError
+from sandbox.agents.fasthook import VERSION
+from sandbox.agents.registry import AGENTS, FORMATS, detect
 from sandbox.exitcodes import Exit
 
 if TYPE_CHECKING:
@@ -38,6 +40,12 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         self.exit(Exit.USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _detect(command: list[str]) -> str:
+    """The agent's name for --agent, from the command's name."""
+    agent = detect(command)
+    return agent.name if agent is not None else "generic"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -118,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--xattrs", action="store_true",
                      help="keep extended attributes on the mount (default: off; the kernel then skips the "
                      "security.capability lookup it sends before every write, and tools get EOPNOTSUPP)")
-    run.add_argument("--agent", choices=["claude", "codex", "gemini", "generic"],
+    run.add_argument("--agent", choices=[*AGENTS, "generic"],
                      help="which agent CMD is (default: from its name): sets up its hooks and parses its output")
     run.add_argument("--user", metavar="NAME", help="run the agent as this user (the guard must be root; "
                      "the devcontainer case)")
@@ -162,7 +170,7 @@ def _parser() -> argparse.ArgumentParser:
                     "if any message was rejected, 69 if the guard cannot be reached.",
     )
     feed.add_argument("--socket", metavar="PATH", help="the agent socket (default: $GUARD_SOCKET)")
-    feed.add_argument("--format", choices=["protocol", "claude-stream-json", "codex-json", "gemini-stream-json"],
+    feed.add_argument("--format", choices=["protocol", *FORMATS],
                       default="protocol", help="what stdin holds: protocol messages (default), or an agent's "
                       "own output to parse into steps, tool calls and tool results")
 
@@ -172,7 +180,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Read the agent's hook JSON on stdin, ask the guard (GUARD_SOCKET), and answer in the "
                     "agent's convention: exit 2 with the reason on stderr blocks the tool.",
     )
-    hook.add_argument("agent", choices=["claude", "codex", "gemini"], help="whose hook format")
+    hook.add_argument("agent", choices=list(AGENTS), help="whose hook format")
 
     report = sub.add_parser(
         "report",
@@ -271,7 +279,7 @@ def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: Eve
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from sandbox.isolation import IsolationUnavailable
-    from sandbox.run import SYSTEM_RUNS, RunOptions, default_run_dir, detect_agent, run
+    from sandbox.run import SYSTEM_RUNS, RunOptions, default_run_dir, run
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -306,7 +314,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             return Exit.USAGE
     options = RunOptions(manifest, workspace, run_dir, command, Path(os.path.realpath(os.getcwd())),
                          ci=args.ci, isolation=not args.no_isolation, cache_timeout=args.cache_timeout,
-                         xattrs=args.xattrs, user=args.user, agent=args.agent or detect_agent(command))
+                         xattrs=args.xattrs, user=args.user, agent=args.agent or _detect(command))
     try:
         return run(options)
     except IsolationUnavailable as err:
@@ -442,7 +450,7 @@ def _cmd_feed(args: argparse.Namespace) -> int:
                     raise
                 except (ValueError, GuardClientError) as err:
                     rejected = True
-                    reply = {"v": 1, "ok": False, "error": str(err)}
+                    reply = {"v": VERSION, "ok": False, "error": str(err)}
                 print(json.dumps(reply), flush=True)
     except GuardClientError as err:
         print(f"guard feed: {err}", file=sys.stderr)

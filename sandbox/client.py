@@ -21,7 +21,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
-from sandbox.agents.fasthook import connect_unix
+# The hook shares these (it must stay standard library only): one definition of each.
+from sandbox.agents.fasthook import VERSION, GuardClientError, GuardUnreachable, connect_unix
 
 if TYPE_CHECKING:  # trio is imported by the async client only: a hook starts faster without it
     import trio
@@ -30,14 +31,6 @@ __all__ = [
     "AsyncGuardClient", "GuardClient", "GuardClientError", "GuardUnreachable", "agent_socket_path",
     "control_socket_path",
 ]
-
-
-class GuardClientError(Exception):
-    """The guard could not be reached, or refused a request as malformed."""
-
-
-class GuardUnreachable(GuardClientError):
-    """No guard answers at the socket, or the connection was lost."""
 
 
 def agent_socket_path(path: str | os.PathLike[str] | None = None) -> str:
@@ -54,7 +47,7 @@ def control_socket_path(run_dir: str | os.PathLike[str]) -> str:
 
 
 def _encode(message: dict[str, Any]) -> bytes:
-    return json.dumps({"v": 1, **message}, separators=(",", ":")).encode() + b"\n"
+    return json.dumps({"v": VERSION, **message}, separators=(",", ":")).encode() + b"\n"
 
 
 def _decode(line: bytes) -> dict[str, Any]:

@@ -380,10 +380,10 @@ class Daemon:
                 return _reply(b.note(msg.kind, msg.text))
             case Hook():
                 try:
-                    code, text = decide(msg.event, self._ask_self)
+                    code, text = decide(msg.event, self._ask_self, msg.agent)
                 except HookPayloadError as err:  # answered as the hook would answer it, and recorded
                     self.events.emit("protocol", kind, "deny", reason=f"invalid {msg.agent} hook event: {err}"[:500])
-                    code, text = refuse_malformed(msg.event, err)
+                    code, text = refuse_malformed(msg.event, err, msg.agent)
                 return {"v": VERSION, "ok": True, "exit": code, "stderr": text}
             case Status():
                 return {"v": VERSION, "ok": True, "state": b.state.value, "ledger": json_safe(b.snapshot()),

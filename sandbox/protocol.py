@@ -16,9 +16,10 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, TypeAdapter, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, TypeAdapter, ValidationError
 
-from sandbox.agents.fasthook import MAX_HOOK_INPUT, JsonBoundsError, loads_bounded
+from sandbox.agents.fasthook import MAX_HOOK_INPUT, VERSION, JsonBoundsError, loads_bounded
+from sandbox.agents.registry import AGENTS
 
 __all__ = [
     "MAX_LINE",
@@ -31,7 +32,6 @@ __all__ = [
     "parse_control",
 ]
 
-VERSION = 1
 #: The longest request line accepted, in bytes (newline included): a ``hook`` message carries
 #: the agent's whole hook event (a Write's content with it), as much as the compiled helper reads.
 MAX_LINE = MAX_HOOK_INPUT + 64 * 1024
@@ -40,10 +40,17 @@ MAX_LINE = MAX_HOOK_INPUT + 64 * 1024
 _Count = Annotated[int, Strict(), Field(ge=0, le=100_000_000)]
 
 
+def _known_agent(name: str) -> str:
+    if name not in AGENTS:
+        raise ValueError(f"unknown agent {name[:40]!r}; known: {', '.join(sorted(AGENTS))}")
+    return name
+
+
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    v: Literal[1] = Field(default=1, description="Protocol version.")
+    # Literal[VERSION] is not a type; tests/test_agent_table.py checks that this 1 is VERSION.
+    v: Literal[1] = Field(default=VERSION, description="Protocol version.")
 
 
 class Hello(_Msg):
@@ -99,7 +106,7 @@ class Hook(_Msg):
     answers with the exit status and the text the hook must print."""
 
     type: Literal["hook"]
-    agent: Literal["claude", "codex", "gemini"]
+    agent: Annotated[str, AfterValidator(_known_agent)]
     event: dict[str, Any]
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import heapq
-import json
 import os
 import pwd
 import shutil
@@ -37,12 +36,12 @@ from guardfs.fs import GuardFS
 from guardfs.manifest import Manifest
 from guardfs.mount import check_fuse_available, init_mount, keepalive, mount_options
 from sandbox.agents import Event, to_messages
-from sandbox.agents.hooks import compiled_helper, hook_command
-from sandbox.agents.parsers import make_parser
+from sandbox.agents.hooks import compiled_helper, launch
+from sandbox.agents.registry import AGENTS
 from sandbox.breaker import Breaker, State
 from sandbox.daemon import Daemon
 from sandbox.exitcodes import Exit
-from sandbox.isolation import bwrap_argv, private_mount_namespace, probe, system_entry
+from sandbox.isolation import SANDBOX_RUN_DIR, bwrap_argv, private_mount_namespace, probe, system_entry
 from sandbox.lanes import LaneStage, plan_lanes
 from sandbox.ledger import write_ledger
 from sandbox.quarantine import Recorder, console, digest
@@ -65,7 +64,7 @@ class RunOptions:
     cache_timeout: float = 60.0
     xattrs: bool = False  # extended attributes on the mount
     user: str | None = None  # run the agent as this user (the guard stays root)
-    agent: str = "generic"  # claude, codex, gemini: hooks and output parsing
+    agent: str = "generic"  # a name in sandbox.agents.registry.AGENTS (hooks, output parsing), or generic
 
 
 @dataclass
@@ -126,7 +125,7 @@ def run(opts: RunOptions) -> int:
     os.chmod(stage, 0o711 if opts.user is not None else 0o755)
     mnt = stage / "mnt"
     mnt.mkdir(exist_ok=True)
-    if opts.agent in _FORMATS and opts.user is None:
+    if opts.agent in AGENTS and opts.user is None:
         compiled_helper()  # built (once per machine) before the mount is up, not in its loop
     private = private_mount_namespace()  # before trio starts any thread
     _say(f"run directory {run_dir}")
@@ -258,16 +257,18 @@ def _agent_argv(
     env["PATH"] = f"{env.get('PATH', '/usr/bin:/bin')}:{tools}"
     env["GUARD_LOG_MAX_BYTES"] = str(opts.manifest.sandbox.log_max_bytes)  # guard exec's cap
     rel = os.path.relpath(opts.cwd, opts.workspace) if opts.cwd.is_relative_to(opts.workspace) else "."
+    # An agent of another user may not reach the helper built for this one: the Python hook.
+    command, setup = launch(opts.agent, opts.command, compiled=opts.user is None)
     files: list[tuple[str, str]] = []
-    if opts.agent == "gemini":
-        settings = mnt.parent / "gemini-settings.json"
-        settings.write_text(gemini_settings(opts.user is None))
-        files.append((str(settings), GEMINI_SETTINGS))
-        env["GEMINI_CLI_SYSTEM_SETTINGS_PATH"] = GEMINI_SETTINGS if bwrap is not None else str(settings)
+    for var, name, content in setup.files:  # the agent's settings for this run, bound read-only
+        written = mnt.parent / name
+        written.write_text(content)
+        files.append((str(written), f"{SANDBOX_RUN_DIR}/{name}"))
+        env[var] = f"{SANDBOX_RUN_DIR}/{name}" if bwrap is not None else str(written)
     if bwrap is None:
         env.update(GUARD_SOCKET=str(daemon.agent_path), GUARD_RUN_DIR=str(opts.run_dir),
                    GUARD_WORKSPACE=str(mnt))
-        return _agent_command(opts), mnt / rel, env
+        return command, mnt / rel, env
     cwd = opts.workspace / rel
     exec_logs = mnt.parent / "exec"  # in the run directory, or the staging one for another user
     exec_logs.mkdir(mode=0o755, exist_ok=True)
@@ -276,7 +277,7 @@ def _agent_argv(
         os.chown(exec_logs, pw.pw_uid, pw.pw_gid)
     argv = bwrap_argv(
         bwrap=bwrap, mountpoint=str(mnt), workspace=str(opts.workspace), run_dir=str(opts.run_dir),
-        agent_socket=str(daemon.agent_path), cwd=str(cwd), command=_agent_command(opts),
+        agent_socket=str(daemon.agent_path), cwd=str(cwd), command=command,
         writable=[str(p) for p in _extra_writable(opts)], pty=pty,
         entry=system_entry() if opts.user is not None else None, files=files, over_workspace=lane_args,
         exec_logs=str(exec_logs),
@@ -289,52 +290,6 @@ def _agent_argv(
     if pty:
         argv = ["setsid", "--ctty", *argv]  # the pty becomes the agent's controlling terminal
     return argv, Path("/"), env
-
-
-#: What each agent's output is parsed as.
-_FORMATS = {"claude": "claude-stream-json", "codex": "codex-json", "gemini": "gemini-stream-json"}
-
-
-def detect_agent(command: list[str]) -> str:
-    """The agent a command runs, from its name."""
-    name = os.path.basename(command[0]) if command else ""
-    return name if name in _FORMATS else "generic"
-
-
-def claude_settings(compiled: bool = True) -> str:
-    """Settings for Claude Code, passed with --settings: our hooks before and after every tool."""
-    command = hook_command("claude", compiled)
-    hook = [{"matcher": "*", "hooks": [{"type": "command", "command": command, "timeout": 10}]}]
-    return json.dumps({"hooks": {"PreToolUse": hook, "PostToolUse": hook}}, separators=(",", ":"))
-
-
-def codex_overrides(compiled: bool = True) -> list[str]:
-    """Codex config overrides (-c, TOML values) registering our hooks for this run only."""
-    command = hook_command("codex", compiled).replace("\\", "\\\\").replace('"', '\\"')
-    hook = f'[{{matcher="*",hooks=[{{type="command",command="{command}",timeout=10}}]}}]'
-    return ["-c", f"hooks.PreToolUse={hook}", "-c", f"hooks.PostToolUse={hook}"]
-
-
-def gemini_settings(compiled: bool = True) -> str:
-    """Gemini CLI system settings for this run: our BeforeTool/AfterTool hooks."""
-    command = hook_command("gemini", compiled)
-    hook = [{"matcher": ".*", "hooks": [{"type": "command", "command": command, "timeout": 10000}]}]
-    return json.dumps({"hooks": {"BeforeTool": hook, "AfterTool": hook}}, indent=2)
-
-
-#: Where the Gemini settings appear inside the sandbox (GEMINI_CLI_SYSTEM_SETTINGS_PATH).
-GEMINI_SETTINGS = "/tmp/guard/gemini-settings.json"
-
-
-def _agent_command(opts: RunOptions) -> list[str]:
-    """The command, with what the agent needs to call our hooks (never its own config files)."""
-    # An agent of another user may not reach the helper built for this one: the Python hook.
-    compiled = opts.user is None
-    if opts.agent == "claude":
-        return [opts.command[0], "--settings", claude_settings(compiled), *opts.command[1:]]
-    if opts.agent == "codex":
-        return [opts.command[0], *codex_overrides(compiled), *opts.command[1:]]
-    return list(opts.command)
 
 
 def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: EventLog) -> list[str]:
@@ -441,7 +396,7 @@ class _Lines:
     """Splits the agent's stdout into lines for its output parser, which feeds the breaker."""
 
     def __init__(self, agent: str, daemon: Daemon) -> None:
-        self.parser = make_parser(_FORMATS[agent]) if agent in _FORMATS else None
+        self.parser = AGENTS[agent].parser_class()() if agent in AGENTS else None
         self.daemon = daemon
         self._buf = b""
 

@@ -8,7 +8,12 @@ It reads the hook's JSON on stdin, asks the agent socket (``check`` before a too
 ``tool_result`` after it) and answers in the agent's blocking convention: exit 2 with the
 reason on stderr blocks the tool, and that text reaches the model as the tool's error — the
 breaker's corrective feedback. If the guard cannot be reached, mutating tools are refused
-(fail closed) and read-only ones go ahead.
+(fail closed) and read-only ones go ahead. What differs between agents (event names, blocking
+status, which tools write) comes from the agents' table, :mod:`sandbox.agents.registry`.
+
+It also holds what every client of the guard's sockets shares and this file needs: the protocol
+:data:`VERSION`, :class:`GuardUnreachable` (and its base :class:`GuardClientError`), and
+:func:`connect_unix`.
 
 Every JSON text the agent's side sends is read with :func:`loads_bounded` (here, so that this
 file stays standard library only; the daemon's protocol uses it too): nesting depth and number
@@ -27,13 +32,22 @@ import struct
 import sys
 from collections.abc import Callable
 from itertools import accumulate
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING or __package__:
+    from sandbox.agents.registry import AGENTS
+else:  # python3 -S -E fasthook.py: the package cannot be imported, but its folder is sys.path[0]
+    from registry import AGENTS
 
 __all__ = [
-    "MAX_INT_DIGITS", "MAX_JSON_CONTAINERS", "MAX_JSON_DEPTH", "MUTATING_TOOLS", "GuardUnreachable",
-    "HookPayloadError", "JsonBoundsError", "connect_unix", "decide", "loads_bounded", "main", "refuse_malformed",
-    "run_hook",
+    "BLOCK", "MAX_INT_DIGITS", "MAX_JSON_CONTAINERS", "MAX_JSON_DEPTH", "MUTATING_TOOLS", "VERSION",
+    "GuardClientError", "GuardUnreachable", "HookPayloadError", "JsonBoundsError", "connect_unix", "decide",
+    "loads_bounded", "main", "refuse_malformed", "run_hook",
 ]
+
+#: The socket protocol's version, the ``v`` of every message (sandbox.protocol checks it; the
+#: compiled hook helper is built with it).
+VERSION: Final = 1
 
 #: The deepest nesting of arrays and objects accepted in one JSON text (tool arguments nest a few levels).
 MAX_JSON_DEPTH = 64
@@ -44,19 +58,30 @@ MAX_INT_DIGITS = 20
 #: The most hook JSON read from stdin, as the compiled helper reads.
 MAX_HOOK_INPUT = 4 << 20
 
-#: Tools that write (Claude Code's, Codex's and Gemini CLI's names); shells count, since they can.
-MUTATING_TOOLS = frozenset({
-    "Write", "Edit", "MultiEdit", "NotebookEdit", "Bash",
-    "shell", "exec_command", "apply_patch",
-    "write_file", "replace", "run_shell_command", "edit",
-})
+#: Tools that write, in any agent's naming (a name that writes for one agent is refused for all
+#: when the guard cannot be reached: fail closed).
+MUTATING_TOOLS: frozenset[str] = frozenset().union(*(agent.mutating_tools for agent in AGENTS.values()))
+#: The hook event names before and after a tool, in any agent's convention.
+_PRE = frozenset(agent.hook.before for agent in AGENTS.values())
+_POST = frozenset(agent.hook.after for agent in AGENTS.values())
+#: The exit status that blocks a tool for an agent not in the table.
+BLOCK = 2
 _PATH_KEYS = ("file_path", "notebook_path", "path", "absolute_path")
 _PATCH_FILE = re.compile(r"^\*\*\* (?:Add|Update|Delete) File: (.+)$", re.MULTILINE)
-BLOCK = 2
 
 
-class GuardUnreachable(Exception):
-    """The guard's socket does not answer (or refused the request)."""
+class GuardClientError(Exception):
+    """The guard could not be reached, or refused a request as malformed."""
+
+
+class GuardUnreachable(GuardClientError):
+    """No guard answers at the socket, the connection was lost, or (for the hook) the guard
+    refused the request."""
+
+
+def _block(agent: str | None) -> int:
+    known = AGENTS.get(agent or "")
+    return known.hook.block_status if known is not None else BLOCK
 
 
 class JsonBoundsError(ValueError):
@@ -138,7 +163,7 @@ def _ask(message: dict[str, Any]) -> dict[str, Any]:
         raise GuardUnreachable("GUARD_SOCKET is not set")
     try:
         with connect_unix(path, 5.0) as sock:
-            sock.sendall(json.dumps({"v": 1, **message}).encode() + b"\n")
+            sock.sendall(json.dumps({"v": VERSION, **message}).encode() + b"\n")
             buf = b""
             while b"\n" not in buf:
                 chunk = sock.recv(65536)
@@ -164,8 +189,6 @@ def _ask(message: dict[str, Any]) -> dict[str, Any]:
 _MAX_TOOL_NAME = 200
 _MAX_PATHS = 256
 _MAX_PATH = 4096
-_PRE = ("PreToolUse", "BeforeTool")
-_POST = ("PostToolUse", "AfterTool")
 
 
 def _type_name(value: Any) -> str:
@@ -213,8 +236,9 @@ def _exit_code(response: Any) -> int:
     return 0
 
 
-def decide(event: Any, ask: Callable[[dict[str, Any]], dict[str, Any]]) -> tuple[int, str]:
-    """The hook's answer to one agent hook *event*: (exit status, text for stderr).
+def decide(event: Any, ask: Callable[[dict[str, Any]], dict[str, Any]], agent: str | None = None) -> tuple[int, str]:
+    """The hook's answer to one hook *event* of *agent* (a name in the agents' table): (exit
+    status in the agent's convention, text for stderr).
 
     *ask* sends one agent-socket message and returns the reply, raising GuardUnreachable.
     Raises HookPayloadError, naming the field, for an event of the wrong shape
@@ -236,7 +260,7 @@ def decide(event: Any, ask: Callable[[dict[str, Any]], dict[str, Any]]) -> tuple
             args = {"command": tool_input.get("command")} if "command" in tool_input else tool_input
             reply = ask({"type": "check", "tool": tool, "paths": paths, "args": args, "mutating": mutating})
             if not reply["allow"]:
-                return BLOCK, reply.get("feedback") or f"guard: {tool} refused ({reply['state']})"
+                return _block(agent), reply.get("feedback") or f"guard: {tool} refused ({reply['state']})"
             return 0, reply.get("warning", "")
         if name in _POST:
             summary = str(tool_input.get("command") or tool_input.get("file_path") or "")[:4000]
@@ -244,21 +268,21 @@ def decide(event: Any, ask: Callable[[dict[str, Any]], dict[str, Any]]) -> tuple
                  "summary": summary})
     except GuardUnreachable as err:
         if mutating and name in _PRE:
-            return BLOCK, (f"guard: refusing {tool}: the guard cannot be reached ({err}); writes stay blocked "
+            return _block(agent), (f"guard: refusing {tool}: the guard cannot be reached ({err}); writes stay blocked "
                            "until it is back")
         return 0, f"guard hook: {err}"
     return 0, ""
 
 
-def refuse_malformed(event: Any, err: HookPayloadError) -> tuple[int, str]:
+def refuse_malformed(event: Any, err: HookPayloadError, agent: str | None = None) -> tuple[int, str]:
     """The answer to a hook event :func:`decide` could not read: before a tool (or when it is not
     even clear which hook this is) the tool is refused; after one, a warning."""
     name = event.get("hook_event_name") if isinstance(event, dict) else None
     tool = event.get("tool_name") if isinstance(event, dict) else None
     tool_text = tool[:_MAX_TOOL_NAME] if isinstance(tool, str) and tool else "the tool"
-    if name in _POST:
+    if isinstance(name, str) and name in _POST:  # a name of another type is not hashable
         return 0, f"guard hook: cannot read this hook event ({err}); nothing reported"
-    return BLOCK, f"guard: refusing {tool_text}: its hook event cannot be read ({err})"
+    return _block(agent), f"guard: refusing {tool_text}: its hook event cannot be read ({err})"
 
 
 def run_hook(agent: str, stdin: str | bytes) -> int:
@@ -266,16 +290,16 @@ def run_hook(agent: str, stdin: str | bytes) -> int:
     if len(stdin) > MAX_HOOK_INPUT:
         print(f"guard hook {agent}: hook input of {len(stdin)} bytes (at most {MAX_HOOK_INPUT}); refusing",
               file=sys.stderr)
-        return BLOCK
+        return _block(agent)
     try:
         event = loads_bounded(stdin)
     except ValueError as err:  # not JSON, not UTF-8, or beyond the bounds
         print(f"guard hook {agent}: no valid JSON on stdin ({err})", file=sys.stderr)
-        return BLOCK
+        return _block(agent)
     try:
-        code, text = decide(event, _ask)
+        code, text = decide(event, _ask, agent)
     except HookPayloadError as err:
-        code, text = refuse_malformed(event, err)
+        code, text = refuse_malformed(event, err, agent)
     if text:
         print(text, file=sys.stderr)
     return code

@@ -19,9 +19,28 @@
 
 #define MAX_INPUT (4 << 20)
 
-static const char *MUTATING[] = {"Write", "Edit", "MultiEdit", "NotebookEdit", "Bash", "shell",
-                                 "exec_command", "apply_patch", "write_file", "replace",
-                                 "run_shell_command", "edit", NULL};
+/* What differs between agents comes from the agents' table (sandbox/agents/registry.py) and
+ * the protocol version from sandbox/agents/fasthook.py: sandbox/agents/hooks.py passes them
+ * with -D when it compiles this file (see its helper_defines()). */
+#if !defined(GUARD_PROTOCOL_VERSION) || !defined(GUARD_MUTATING_TOOLS) || !defined(GUARD_BEFORE_EVENTS) || \
+    !defined(GUARD_AGENT_BLOCK)
+#error "build guard_hook.c through sandbox/agents/hooks.py: it passes the agents' table with -D"
+#endif
+
+/* Each list ends with a comma; NULL closes it. */
+static const char *MUTATING[] = {GUARD_MUTATING_TOOLS NULL};
+static const char *BEFORE[] = {GUARD_BEFORE_EVENTS NULL};
+struct agent_block { const char *name; int status; };
+static const struct agent_block BLOCK[] = {GUARD_AGENT_BLOCK {NULL, 2}};
+
+/* The exit status that blocks a tool in this agent's convention. */
+static int block_status(const char *agent) {
+    const struct agent_block *b = BLOCK;
+    while (b->name && strcmp(b->name, agent)) b++;
+    return b->status;
+}
+
+static const char *agent = "claude";
 
 static int write_all(int fd, const char *buf, size_t len) {
     while (len > 0) {
@@ -60,14 +79,15 @@ static int fail(const char *input, const char *why) {
     char event[64] = "", tool[128] = "";
     string_field(input, "hook_event_name", event, sizeof event);
     string_field(input, "tool_name", tool, sizeof tool);
-    int before = !strcmp(event, "PreToolUse") || !strcmp(event, "BeforeTool");
-    int mutating = 0;
+    int before = 0, mutating = 0;
+    for (const char **b = BEFORE; *b; b++)
+        if (!strcmp(event, *b)) before = 1;
     for (const char **m = MUTATING; *m; m++)
         if (!strcmp(tool, *m)) mutating = 1;
     if (before && mutating) {
         fprintf(stderr, "guard: refusing %s: the guard cannot be reached (%s); writes stay blocked until it is back\n",
                 tool, why);
-        return 2;
+        return block_status(agent);
     }
     fprintf(stderr, "guard hook: %s\n", why);
     return 0;
@@ -111,9 +131,9 @@ static void print_json_string(const char *p) {
 }
 
 int main(int argc, char **argv) {
-    const char *agent = argc > 1 ? argv[1] : "claude";
+    if (argc > 1) agent = argv[1];
     char *input = malloc(MAX_INPUT + 1);
-    if (!input) return 2;
+    if (!input) return block_status(agent);
     size_t len = 0;
     for (;;) {
         ssize_t n = read(0, input + len, MAX_INPUT - len);
@@ -126,7 +146,7 @@ int main(int argc, char **argv) {
     while (len > 0 && (input[len - 1] == '\n' || input[len - 1] == '\r' || input[len - 1] == ' ')) input[--len] = '\0';
     if (len == 0 || input[0] != '{') {
         fprintf(stderr, "guard hook %s: no JSON object on stdin\n", agent);
-        return 2;
+        return block_status(agent);
     }
     const char *path = getenv("GUARD_SOCKET");
     if (!path || !*path) return fail(input, "GUARD_SOCKET is not set");
@@ -140,7 +160,8 @@ int main(int argc, char **argv) {
         return fail(input, why);
     }
     char head[160];
-    int hl = snprintf(head, sizeof head, "{\"v\":1,\"type\":\"hook\",\"agent\":\"%s\",\"event\":", agent);
+    int hl = snprintf(head, sizeof head, "{\"v\":%d,\"type\":\"hook\",\"agent\":\"%s\",\"event\":",
+                      GUARD_PROTOCOL_VERSION, agent);
     if (write_all(fd, head, (size_t)hl) || write_all(fd, input, len) || write_all(fd, "}\n", 2))
         return fail(input, "lost the guard while sending");
     static char reply[1 << 16];

@@ -4,25 +4,30 @@ Agents run their hook as a new process for every tool call, so it must start fas
 run compiles ``guard_hook.c`` once (with the system's C compiler) into a helper that
 forwards the hook's JSON to the daemon, which decides with :mod:`sandbox.agents.fasthook`'s
 logic. Where there is no compiler, agents get ``python3 -S -E fasthook.py`` instead (the
-same answers, tens of milliseconds slower). ``guard hook`` runs the Python one.
+same answers, tens of milliseconds slower). ``guard hook`` runs the Python one. The helper is
+compiled with what it must know (the protocol version, the agents' mutating tools, hook event
+names and blocking status) from :data:`~sandbox.agents.fasthook.VERSION` and the agents' table.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
 import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from sandbox.agents import fasthook
-from sandbox.agents.fasthook import MUTATING_TOOLS, run_hook
+from sandbox.agents.fasthook import MUTATING_TOOLS, VERSION, run_hook
+from sandbox.agents.registry import AGENTS, Launch
 
-__all__ = ["MUTATING_TOOLS", "compiled_helper", "helper_cache", "hook_command", "run_hook"]
+__all__ = ["MUTATING_TOOLS", "compiled_helper", "helper_cache", "helper_defines", "hook_command", "launch", "run_hook"]
 
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("guard_hook.c")
@@ -34,13 +39,33 @@ def helper_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "guardfs"
 
 
+def _c_strings(names: Iterable[str]) -> str:
+    """A C initializer list of string literals, each followed by a comma (json quoting is C's for these
+    printable names)."""
+    return "".join(f"{json.dumps(name)}," for name in sorted(names))
+
+
+def helper_defines() -> list[str]:
+    """The compiler's -D options that give ``guard_hook.c`` the protocol version and the agents' table."""
+    agents = AGENTS.values()
+    blocks = "".join(f"{{{json.dumps(a.name)},{a.hook.block_status}}}," for a in agents)
+    return [
+        f"-DGUARD_PROTOCOL_VERSION={VERSION}",
+        f"-DGUARD_MUTATING_TOOLS={_c_strings(MUTATING_TOOLS)}",
+        f"-DGUARD_BEFORE_EVENTS={_c_strings({a.hook.before for a in agents})}",
+        f"-DGUARD_AGENT_BLOCK={blocks}",
+    ]
+
+
 @functools.cache
 def compiled_helper() -> Path | None:
     """The compiled hook helper, built on first use; None where it cannot be built."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    defines = helper_defines()
+    # The table is part of what is built: a change to it is a new helper.
+    digest = hashlib.sha256(_SOURCE.read_bytes() + "\0".join(defines).encode()).hexdigest()[:12]
     folder = helper_cache()
     binary = folder / f"guard-hook-{digest}"
     if binary.exists():
@@ -48,7 +73,7 @@ def compiled_helper() -> Path | None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".guard-hook-{digest}.{os.getpid()}"
-        built = subprocess.run([cc, "-O2", "-o", str(tmp), str(_SOURCE)], capture_output=True, text=True,
+        built = subprocess.run([cc, "-O2", *defines, "-o", str(tmp), str(_SOURCE)], capture_output=True, text=True,
                                timeout=120, check=False)
         if built.returncode != 0:
             log.warning("cannot build the hook helper: %s", built.stderr.strip()[-300:])
@@ -66,3 +91,14 @@ def hook_command(agent: str, compiled: bool = True) -> str:
     if helper is not None:
         return f"{shlex.quote(str(helper))} {agent}"
     return f"{shlex.quote(sys.executable)} -S -E {shlex.quote(fasthook.__file__)} {agent}"
+
+
+def launch(agent: str, command: list[str], compiled: bool = True) -> tuple[list[str], Launch]:
+    """*command* as *agent* (a name in the agents' table) is started under guard: with what it needs
+    to call our hooks (never its own config files), and the files still to be written for it. The
+    command of any other agent is left as it is."""
+    known = AGENTS.get(agent)
+    if known is None:
+        return list(command), Launch()
+    setup = known.launch(hook_command(known.name, compiled))
+    return [command[0], *setup.args, *command[1:]], setup

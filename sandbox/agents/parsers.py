@@ -1,19 +1,14 @@
-"""The output parsers by format name, as ``guard feed --format`` and ``guard run`` use them."""
+"""The output parsers by format name, as ``guard feed --format`` and ``guard run`` use them
+(from the agents' table, :mod:`sandbox.agents.registry`)."""
 
 from __future__ import annotations
 
-from sandbox.agents.claude import ClaudeStreamParser
-from sandbox.agents.codex import CodexJsonParser
 from sandbox.agents.events import JsonLinesParser
-from sandbox.agents.gemini import GeminiStreamParser
+from sandbox.agents.registry import AGENTS
 
 __all__ = ["FORMATS", "make_parser"]
 
-FORMATS: dict[str, type[JsonLinesParser]] = {
-    "claude-stream-json": ClaudeStreamParser,
-    "codex-json": CodexJsonParser,
-    "gemini-stream-json": GeminiStreamParser,
-}
+FORMATS: dict[str, type[JsonLinesParser]] = {agent.stream_format: agent.parser_class() for agent in AGENTS.values()}
 
 
 def make_parser(fmt: str) -> JsonLinesParser:

@@ -1,0 +1,114 @@
+"""The agents guard run knows, one entry each: adding an agent is one entry here (and its parser).
+
+Each :class:`Agent` holds everything agent-specific: the command names that are this agent,
+what its command is given to call our hooks for one run (:class:`Launch`: arguments, or a
+settings file named by an environment variable — never the user's own config files), the
+format name and class of its machine-readable output's parser, the tools of its that write,
+and its hook convention (:class:`HookConvention`). ``guard run``, ``guard feed --format``,
+``guard hook``, the daemon's ``hook`` message and the compiled hook helper all read this table.
+
+Standard library only, like :mod:`sandbox.agents.fasthook`, which imports it (as a sibling
+module when run as ``python3 -S -E fasthook.py``): parser classes are named, not imported.
+NamedTuple, not dataclasses: importing dataclasses would add tens of milliseconds to every hook.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from sandbox.agents.events import JsonLinesParser
+
+__all__ = ["AGENTS", "FORMATS", "Agent", "HookConvention", "Launch", "detect"]
+
+
+class HookConvention(NamedTuple):
+    """How an agent runs its hooks and reads their answer."""
+
+    before: str  #: the hook event name before a tool runs
+    after: str  #: ... and after it
+    #: The exit status that blocks the tool; the reason goes on stderr and reaches the model as
+    #: the tool's error. Exit 0 lets the tool run (text on stderr is then a warning).
+    block_status: int = 2
+
+
+class Launch(NamedTuple):
+    """What an agent's command is given, for one run, to call our hooks."""
+
+    args: tuple[str, ...] = ()  #: inserted right after the command's name
+    #: Files written for the run, each (environment variable, file name, content): the guard writes
+    #: the file and sets the variable to the path where the agent sees it.
+    files: tuple[tuple[str, str, str], ...] = ()
+
+
+class Agent(NamedTuple):
+    """One agent: how it is recognised, launched, parsed and hooked."""
+
+    name: str  #: as --agent, ``guard hook NAME`` and the ``hook`` message name it
+    commands: frozenset[str]  #: command names (basename of argv[0]) that are this agent
+    stream_format: str  #: ``guard feed --format`` name of its machine-readable output
+    parser: str  #: ``module:Class`` of its output parser (imported on first use)
+    mutating_tools: frozenset[str]  #: its tools that write (shells count, since they can)
+    hook: HookConvention
+    launch: Callable[[str], Launch]  #: given the shell command of our hook
+
+    def parser_class(self) -> type[JsonLinesParser]:
+        """The output parser's class."""
+        module, _, name = self.parser.partition(":")
+        cls: type[JsonLinesParser] = getattr(importlib.import_module(module), name)
+        return cls
+
+
+def _claude(hook: str) -> Launch:
+    entry = [{"matcher": "*", "hooks": [{"type": "command", "command": hook, "timeout": 10}]}]
+    settings = json.dumps({"hooks": {"PreToolUse": entry, "PostToolUse": entry}}, separators=(",", ":"))
+    return Launch(args=("--settings", settings))
+
+
+def _codex(hook: str) -> Launch:
+    quoted = hook.replace("\\", "\\\\").replace('"', '\\"')  # a TOML basic string
+    entry = f'[{{matcher="*",hooks=[{{type="command",command="{quoted}",timeout=10}}]}}]'
+    return Launch(args=("-c", f"hooks.PreToolUse={entry}", "-c", f"hooks.PostToolUse={entry}"))
+
+
+def _gemini(hook: str) -> Launch:
+    entry = [{"matcher": ".*", "hooks": [{"type": "command", "command": hook, "timeout": 10000}]}]
+    settings = json.dumps({"hooks": {"BeforeTool": entry, "AfterTool": entry}}, indent=2)
+    return Launch(files=(("GEMINI_CLI_SYSTEM_SETTINGS_PATH", "gemini-settings.json", settings),))
+
+
+_TABLE = (
+    Agent(
+        name="claude", commands=frozenset({"claude"}), stream_format="claude-stream-json",
+        parser="sandbox.agents.claude:ClaudeStreamParser",
+        mutating_tools=frozenset({"Write", "Edit", "MultiEdit", "NotebookEdit", "Bash"}),
+        hook=HookConvention("PreToolUse", "PostToolUse"), launch=_claude,
+    ),
+    Agent(
+        name="codex", commands=frozenset({"codex"}), stream_format="codex-json",
+        parser="sandbox.agents.codex:CodexJsonParser",
+        mutating_tools=frozenset({"shell", "exec_command", "apply_patch"}),
+        hook=HookConvention("PreToolUse", "PostToolUse"), launch=_codex,
+    ),
+    Agent(
+        name="gemini", commands=frozenset({"gemini"}), stream_format="gemini-stream-json",
+        parser="sandbox.agents.gemini:GeminiStreamParser",
+        mutating_tools=frozenset({"write_file", "replace", "run_shell_command", "edit"}),
+        hook=HookConvention("BeforeTool", "AfterTool"), launch=_gemini,
+    ),
+)
+
+#: The agents by name.
+AGENTS: dict[str, Agent] = {agent.name: agent for agent in _TABLE}
+#: The agents by their output's format name.
+FORMATS: dict[str, Agent] = {agent.stream_format: agent for agent in _TABLE}
+
+
+def detect(command: list[str]) -> Agent | None:
+    """The agent *command* runs, from its name; None for any other command."""
+    name = command[0].rsplit("/", 1)[-1] if command else ""
+    return next((agent for agent in _TABLE if name in agent.commands), None)
+
