@@ -238,3 +238,25 @@ async def test_a_second_guard_on_the_same_run_dir_is_refused(tmp_path: Path) -> 
 async def test_client_reports_unreachable_guard(tmp_path: Path) -> None:
     with pytest.raises(GuardClientError, match="cannot reach the guard"):
         await AsyncGuardClient.connect(tmp_path / "nothing.sock")
+
+
+async def test_a_name_that_starts_with_two_dots_is_inside_the_workspace(tmp_path: Path) -> None:
+    """``..cache/x.py`` is a path in the workspace (a component equal to ``..`` leaves it,
+    a name starting with two dots does not): in scope it is allowed, no scope_spill."""
+    events = EventLog(tmp_path / "events.jsonl")
+    (tmp_path / "ws").mkdir()
+    manifest = parse_manifest(FIX_TAX.replace('allowed = ["src/checkout/"]', 'allowed = ["src/checkout/", "..cache/"]'))
+    with Session(manifest, tmp_path / "ws", events, run_dir=tmp_path / "run", now=trio.current_time) as session:
+        d = session.daemon
+        async with trio.open_nursery() as nursery:
+            await nursery.start(d.run)
+            async with await AsyncGuardClient.connect(d.agent_path) as agent:
+                inside = await agent.request({"type": "check", "tool": "Write", "paths": ["..cache/x.py"]})
+                assert inside["allow"] and "trip" not in inside, inside
+                absolute = await agent.request({"type": "check", "tool": "Write",
+                                                "paths": [str(tmp_path / "ws/..cache/y.py")]})
+                assert absolute["allow"], absolute
+                outside = await agent.request({"type": "check", "tool": "Write", "paths": ["../x.py"]})
+                assert not outside["allow"] and outside["trip"]["rule"] == "scope_spill", outside
+            nursery.cancel_scope.cancel()
+    events.close()
