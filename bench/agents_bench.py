@@ -40,7 +40,8 @@ max_identical_calls = "unlimited"
 
 def hook_latency(n: int, argv: list[str]) -> dict[str, float]:
     """Run the hook (*argv*) n times against a daemon serving in a thread."""
-    daemon = daemon_in_thread(MANIFEST)
+    session = daemon_in_thread(MANIFEST)
+    daemon = session.daemon
     ws = daemon.run_dir.parent / "ws"
     samples = []
     for i in range(n):
@@ -52,7 +53,7 @@ def hook_latency(n: int, argv: list[str]) -> dict[str, float]:
                                                                    "PATH": "/usr/bin:/bin"})
         samples.append((time.perf_counter() - t0) * 1000)
         assert proc.returncode == 0, proc.stderr
-    daemon.cleanup()
+    session.close()
     samples.sort()
     return {"median_ms": statistics.median(samples), "p99_ms": samples[int(len(samples) * 0.99)],
             "calls": n}

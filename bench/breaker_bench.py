@@ -21,13 +21,11 @@ from pathlib import Path
 
 from common import daemon_in_thread, percentiles, timed
 
-from guardfs.accounting import WriteAccounting
 from guardfs.decision import Request
 from guardfs.events import EventLog
-from guardfs.fs import GuardFS
 from guardfs.manifest import parse_manifest
-from sandbox.breaker import Breaker
 from sandbox.client import GuardClient
+from sandbox.session import Session
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = """
@@ -49,12 +47,11 @@ max_identical_calls = "unlimited"
 def in_process(n: int) -> dict[str, dict[str, float]]:
     """Per-event costs without any I/O."""
     manifest = parse_manifest(MANIFEST)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as run:
         (Path(tmp) / "src/checkout").mkdir(parents=True)
         (Path(tmp) / "src/checkout/tax.py").write_text("x = 1\n")
-        accounting = WriteAccounting()
-        breaker = Breaker(manifest, accounting, now=time.monotonic)
-        fs = GuardFS(tmp, manifest, EventLog(None), decider=breaker, accounting=accounting)
+        session = Session(manifest, tmp, EventLog(None), run_dir=Path(run), now=time.monotonic)  # not served
+        fs, breaker = session.fs, session.breaker
         st = os.stat(Path(tmp) / "src/checkout/tax.py")
         ino = fs.inodes.remember(st.st_ino, st.st_mode, "src/checkout/tax.py").ino
         get, check = fs.inodes.get, fs.gate.check
@@ -70,20 +67,20 @@ def in_process(n: int) -> dict[str, dict[str, float]]:
             "token step with a tool call": timed(
                 lambda i: breaker.step(tokens_in=1200, tokens_out=300, tool="Edit", args={"file": f"src/f{i}.py"}), n),
         }
-        fs.close()
+        session.close()
     return results
 
 
 def round_trips(n: int) -> dict[str, float]:
     """``check`` over the agent socket against a daemon in its own thread."""
-    daemon = daemon_in_thread(MANIFEST)
+    session = daemon_in_thread(MANIFEST)
     samples = []
-    with GuardClient(daemon.agent_path) as guard:
+    with GuardClient(session.daemon.agent_path) as guard:
         for i in range(n):
             t0 = time.perf_counter_ns()
             guard.check("Edit", [f"src/checkout/f{i % 50}.py"])
             samples.append(time.perf_counter_ns() - t0)
-    daemon.cleanup()
+    session.close()
     return percentiles(samples)
 
 

@@ -11,11 +11,9 @@ from pathlib import Path
 
 import trio
 
-from guardfs.accounting import WriteAccounting
 from guardfs.events import EventLog
 from guardfs.manifest import parse_manifest
-from sandbox.breaker import Breaker
-from sandbox.daemon import Daemon
+from sandbox.session import Session
 
 __all__ = ["ROOT", "daemon_in_thread", "guard_run_argv", "percentiles", "quantile", "timed"]
 
@@ -23,24 +21,24 @@ __all__ = ["ROOT", "daemon_in_thread", "guard_run_argv", "percentiles", "quantil
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def daemon_in_thread(manifest: str) -> Daemon:
-    """A breaker daemon serving its sockets from a trio loop in a daemon thread, as in
-    ``guard mount --run-dir``, ready when this returns. Call ``cleanup()`` when done."""
+def daemon_in_thread(manifest: str) -> Session:
+    """A session of an empty workspace whose breaker daemon serves its sockets from a trio
+    loop in a daemon thread (no mount), ready when this returns. Call ``close()`` when done."""
     tmp = Path(tempfile.mkdtemp(prefix="guardfs-bench-"))
-    breaker = Breaker(parse_manifest(manifest), WriteAccounting(), now=time.monotonic)
-    daemon = Daemon(breaker, tmp / "run", str(tmp / "ws"), EventLog(None))
-    daemon.prepare()
+    (tmp / "ws").mkdir()
+    session = Session(parse_manifest(manifest), tmp / "ws", EventLog(None), run_dir=tmp / "run", now=time.monotonic)
+    session.prepare()
     ready = threading.Event()
 
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
-            await nursery.start(daemon.run)
+            await nursery.start(session.daemon.run)
             ready.set()
 
     threading.Thread(target=lambda: trio.run(serve), daemon=True).start()
     if not ready.wait(10):
         raise RuntimeError("the daemon did not start")
-    return daemon
+    return session
 
 
 def percentiles(samples: list[int]) -> dict[str, float]:

@@ -374,16 +374,17 @@ def time_it(fn: Callable[[Path], float | None], where: Path, drop: bool) -> floa
 
 def decision_cost(samples: int = 200_000) -> dict[str, float]:
     """The decision's own cost per operation: policy verdict + limits decider, in process."""
-    from guardfs.fs import GuardFS
+    from sandbox.session import Session
 
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "src").mkdir()
-        fs = GuardFS(tmp, parse_manifest(MANIFEST), EventLog(None))
+        session = Session(parse_manifest(MANIFEST), tmp, EventLog(None))  # as guard mount builds it
+        fs = session.fs
         where = fs.policy.classify("src/checkout/tax.py", False)
         request = Request("write", "src/checkout/tax.py", where, True)
         check = fs.gate.check  # the exact call every judged operation makes
         cost = timed(lambda _: check(request), samples)
-        fs.close()
+        session.close()
     return cost | {"samples": samples}
 
 

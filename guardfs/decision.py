@@ -83,7 +83,7 @@ def _deny(where: Classification, err: int, reason: str) -> Verdict:
     return Verdict(False, where.key, where.pattern, err, reason)
 
 
-_WRITABLE = frozenset({Scope.ALLOWED, Scope.GIT_INTERNAL, Scope.GIT_CONFIG})
+_WRITABLE = frozenset({Scope.ALLOWED, Scope.GIT_INTERNAL})
 
 
 def policy_verdict(request: Request) -> Verdict:
@@ -101,7 +101,7 @@ def policy_verdict(request: Request) -> Verdict:
     if not request.mutating:
         return ALLOW
     for path, where in checks:
-        if where.scope is Scope.PROTECTED:
+        if where.scope is Scope.PROTECTED or where.scope is Scope.GIT_CONFIG:
             return _deny(where, ERRNO_READ_ONLY, f"{path} is read-only: {where.describe()}")
         if where.scope is Scope.OUT_OF_SCOPE:
             return _deny(

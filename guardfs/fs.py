@@ -140,15 +140,19 @@ class GuardFS(pyfuse3.Operations):
         accounting: WriteAccounting | None = None,
         checkpoint_dir: Path | None = None,
         xattrs: bool = False,
+        policy: PathPolicy | None = None,
     ) -> None:
         """Serve *backing* under *manifest*; *state_text* renders ``.guard/STATE.md``;
+        *policy* is the run's compiled policy (by default compiled here, looking whether
+        ``.git/config`` exists now);
         with *checkpoint_dir*, pre-images are kept there for rollback. Without *xattrs*
         the mount has no extended attributes: the first call answers ENOSYS and the kernel
         never asks again (it skips the security.capability lookup it sends before every
         write), and applications get EOPNOTSUPP, as on a filesystem without them."""
         super().__init__()
         self.backing = Backing(backing)
-        self.policy = PathPolicy(manifest)
+        self.policy = policy if policy is not None else PathPolicy(
+            manifest, git_config_existed=self._lstat_or_none(".git/config") is not None)
         root = os.stat(self.backing.root_fd)
         self._root_dev = root.st_dev
         self.inodes = InodeTable(self.policy, root.st_ino)
@@ -174,13 +178,6 @@ class GuardFS(pyfuse3.Operations):
         self.guard = GuardNode(self.inodes, self.state_text, cache_timeout)
         self.preimages = None if checkpoint_dir is None else PreImages(
             self.backing, checkpoint_dir, manifest.sandbox.checkpoint_max_bytes, events.emit)
-        # A repository the agent creates during the run may configure itself (git init
-        # rewrites its config several times); one that was there before may not.
-        try:
-            self.backing.lstat(".git/config")
-            self._git_config_existed = True
-        except FileNotFoundError:
-            self._git_config_existed = False
 
     def close(self) -> None:
         """Close every fd this filesystem holds (after the mount is gone)."""
@@ -238,15 +235,10 @@ class GuardFS(pyfuse3.Operations):
         return parent, _join(parent.path, n)
 
     def _where(self, path: str, st: os.stat_result | None, is_dir: bool) -> Classification:
-        """Classification of *path*; .git/config is read-only if it existed at mount time."""
+        """Classification of *path* (by its inode when it exists, hard links included)."""
         if st is None:
-            where = self.policy.classify(path, is_dir)
-        else:
-            where = self.inodes.classify(st.st_ino, stat.S_ISDIR(st.st_mode), path)
-        if where.scope is Scope.GIT_CONFIG:
-            scope = Scope.PROTECTED if self._git_config_existed else Scope.GIT_INTERNAL
-            return Classification(scope, where.key, where.pattern)
-        return where
+            return self.policy.classify(path, is_dir)
+        return self.inodes.classify(st.st_ino, stat.S_ISDIR(st.st_mode), path)
 
     def _lstat_or_none(self, path: str) -> os.stat_result | None:
         try:

@@ -165,7 +165,8 @@ def serve(
 ) -> None:
     """Mount *fs* at *mountpoint* and serve until a signal or an external unmount.
 
-    The mount is always removed before this returns, also when the loop fails.
+    The mount is always removed before this returns, also when the loop fails; *fs* is
+    left open for its owner (a :class:`~sandbox.session.Session`) to close.
     *options* replaces :func:`mount_options` (tests use it to drop ``default_permissions``).
     *companions* run in the same trio loop (the breaker daemon) and are cancelled with it;
     each is started with ``nursery.start`` and must report ``task_status.started()``.
@@ -181,5 +182,4 @@ def serve(
         with keepalive(mountpoint):
             trio.run(_serve, fs, handle_signals, on_ready, companions)
     finally:
-        pyfuse3.close(unmount=True)
-        fs.close()
+        pyfuse3.close(unmount=True)  # *fs* stays open: whoever built it closes it

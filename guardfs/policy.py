@@ -31,7 +31,7 @@ class Scope(enum.Enum):
 
     FORBIDDEN = "forbidden"  # neither read nor write
     PROTECTED = "protected"  # read-only whatever the manifest says
-    GIT_CONFIG = "git-config"  # read-only if it existed when the mount started
+    GIT_CONFIG = "git-config"  # .git/config that existed when the guard started: read-only
     GIT_INTERNAL = "git-internal"  # writable, never counted toward limits
     ALLOWED = "allowed"  # writable, counted
     OUT_OF_SCOPE = "out-of-scope"  # readable, not writable
@@ -56,10 +56,18 @@ class Classification:
 
 
 class PathPolicy:
-    """Decides the scope of workspace-relative paths; pure and side-effect free."""
+    """Decides the scope of workspace-relative paths; pure and side-effect free.
 
-    def __init__(self, manifest: Manifest) -> None:
+    Every built-in protection is decided here, so the mount, the daemon and the hooks give
+    one answer per path. *git_config_existed* is the one fact about the workspace that
+    needs: whether ``.git/config`` existed when the guard started (a repository the agent
+    creates may configure itself, one that was there may not). It defaults to the safe
+    answer, read-only; whoever builds a guarded run looks and says (see sandbox.session).
+    """
+
+    def __init__(self, manifest: Manifest, *, git_config_existed: bool = True) -> None:
         self.manifest = manifest
+        self.git_config_existed = git_config_existed
         paths = manifest.paths
         self._forbidden = pathspec.GitIgnoreSpec.from_lines(paths.forbidden)
         self._allowed = pathspec.GitIgnoreSpec.from_lines(paths.allowed)
@@ -83,7 +91,9 @@ class PathPolicy:
                 return self._git_internal()
             return Classification(Scope.PROTECTED, "built-in: .git/hooks/ is read-only")
         if path == ".git/config":
-            return Classification(Scope.GIT_CONFIG, _GIT_CONFIG_RULE)
+            if self.git_config_existed:
+                return Classification(Scope.GIT_CONFIG, _GIT_CONFIG_RULE)
+            return self._git_internal()
         if path == ".git" or path.startswith(".git/"):
             return self._git_internal()
         hit = self._allowed.check_file(probe)

@@ -11,6 +11,10 @@ of its own to refuse (a token surge, a repeated call) refuses the agent's next m
 check instead, so the feedback reaches it. In HALF_OPEN, the next in-scope mutation or
 passing tool result closes the breaker; another violation makes it OPEN_<RULE>, terminal
 until an operator approves.
+
+What must happen in the world because of a decision (freeze the agent, mark a checkpoint,
+roll back) is not done here: each reply carries it as :class:`Effect` values, and the
+run's :class:`~sandbox.session.Session` carries them out.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import itertools
 import json
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from guardfs.accounting import WriteAccounting
@@ -32,7 +36,7 @@ from guardfs.events import printable
 from guardfs.manifest import Limits, Manifest
 from guardfs.policy import Classification, PathPolicy, Scope
 
-__all__ = ["Breaker", "Rule", "State", "Trip"]
+__all__ = ["NO_EFFECTS", "Breaker", "Effect", "Effects", "Reply", "Rule", "State", "Trip"]
 
 # A tool result counts as a passing test when the tool or its command names a test runner.
 _TEST_COMMAND = re.compile(r"\b(pytest|py\.test|unittest|tox|nox|jest|vitest|mocha|go test|cargo test|"
@@ -126,6 +130,20 @@ _WAY_BACK = {
 }
 
 
+class Effect(enum.Enum):
+    """What a decision requires of the guard beyond its answer; the Session carries it out."""
+
+    CHECKPOINT = "checkpoint"  # a known-good point: pre-images start afresh from here
+    ROLLBACK = "rollback"  # restore the workspace to the last checkpoint
+    FREEZE = "freeze"  # a terminal trip: hold the agent still, at once, until an operator acts
+    HALT = "halt"  # the operator stopped the run: end the agent
+    RESUME = "resume"  # approved after a terminal trip: the agent may go on
+
+
+Effects = frozenset[Effect]
+NO_EFFECTS: Effects = frozenset()
+
+
 @dataclass(frozen=True, slots=True)
 class Trip:
     """One trip: which rule, the state it led to, at which step, and why."""
@@ -147,13 +165,15 @@ class _Call:
 
 @dataclass(slots=True)  # not frozen: built on every step, see guardfs.decision.Request
 class Reply:
-    """What a socket message gets back: the state, and words for the agent when any."""
+    """What a socket message gets back: the state, words for the agent when any, and the
+    effects the guard must carry out."""
 
     allow: bool
     state: State
     feedback: str = ""
     warning: str = ""
     trip: Trip | None = None
+    effects: Effects = NO_EFFECTS
 
 
 _FIRST_CALL = Reply(True, State.CLOSED)  # only .warning and .trip of it are read
@@ -175,7 +195,9 @@ class Breaker:
     """The breaker for one run. Implements guardfs's Decider protocol.
 
     *now* is the run's clock (the daemon passes trio's); *emit* receives events as
-    ``emit(op, path, decision, **fields)`` (an :class:`~guardfs.events.EventLog`'s ``emit``).
+    ``emit(op, path, decision, **fields)`` (an :class:`~guardfs.events.EventLog`'s ``emit``);
+    *policy* is the run's compiled policy, shared with the mount so both answer alike
+    (default: compiled from *manifest*, with ``.git/config`` read-only).
     """
 
     def __init__(
@@ -184,11 +206,13 @@ class Breaker:
         accounting: WriteAccounting,
         now: Callable[[], float],
         emit: Callable[..., Any] | None = None,
+        *,
+        policy: PathPolicy | None = None,
     ) -> None:
         self.manifest = manifest
         self.limits: Limits = manifest.limits
         self.accounting = accounting
-        self.policy = PathPolicy(manifest)
+        self.policy = policy if policy is not None else PathPolicy(manifest)
         self.now = now
         self._emit = emit or (lambda *a, **k: None)
         self._limits_decider = LimitsDecider(self.limits, accounting)
@@ -203,7 +227,8 @@ class Breaker:
         self.checkpoints: list[dict[str, Any]] = []
         self.last_feedback = ""
         self.version = 0  # bumped on every change, for the ledger writer
-        self.rollback_requested = False  # set by a trip the manifest wants rolled back
+        # Effects decided during the current call; the reply it returns takes them along.
+        self._effects: set[Effect] = set()
         self._refuse_next = False
         self._c = _Counters(window=collections.deque(maxlen=self.limits.window_steps))
         self._last_activity: float | None = None  # armed by the first agent message
@@ -211,10 +236,23 @@ class Breaker:
     # ----- guardfs's Decider protocol -----------------------------------------------
 
     def decide(self, request: Request, policy: Verdict) -> Verdict:
-        """Judge a filesystem request; a policy denial stays a denial and may trip."""
+        """Judge a filesystem request (guardfs's Decider protocol). Its effects are dropped:
+        a guarded run asks :meth:`judge` instead, through its Session."""
+        return self.judge(request, policy)[0]
+
+    def judge(self, request: Request, policy: Verdict) -> tuple[Verdict, Effects]:
+        """Judge a filesystem request; a policy denial stays a denial and may trip.
+        Returns the verdict and the effects the trip (if any) requires."""
         if (policy.allow and self.state is State.CLOSED and request.rewrite is None
                 and not request.new_files):
-            return policy  # the hot path: nothing to count, nothing to gate
+            return policy, NO_EFFECTS  # the hot path: nothing to count, nothing to gate
+        verdict = self._decide(request, policy)
+        return verdict, self._take_effects()
+
+    def _decide(self, request: Request, policy: Verdict) -> Verdict:
+        if (policy.allow and self.state is State.CLOSED and request.rewrite is None
+                and not request.new_files):
+            return policy
         if not policy.allow:
             rule = self._rule_for_denial(request, policy)
             if rule is None:
@@ -233,13 +271,19 @@ class Breaker:
         return ALLOW
 
     def committed(self, request: Request) -> None:
-        """An allowed mutation landed: progress, unless it closed a content cycle."""
+        """An allowed mutation landed (guardfs's Decider protocol); effects are dropped, as
+        in :meth:`decide`."""
+        self.commit(request)
+
+    def commit(self, request: Request) -> Effects:
+        """An allowed mutation landed: progress, unless it closed a content cycle (a trip,
+        whose effects are returned)."""
         plan = request.rewrite
         if plan is not None and plan.cycle:
             self._trip(Rule.OSCILLATION, f"{plan.path} returned to an earlier version of itself (A→B→A)", None)
-            return
-        if request.where.scope.counted and not (plan is not None and plan.unchanged):
+        elif request.where.scope.counted and not (plan is not None and plan.unchanged):
             self._progress()  # a write that leaves the content as it was is no progress
+        return self._take_effects()
 
     def _rule_for_denial(self, request: Request, policy: Verdict) -> Rule | None:
         if policy.errno == ERRNO_FORBIDDEN:
@@ -279,7 +323,7 @@ class Breaker:
         if tool is not None:
             reply = self._call(tool, args)
             if reply.trip is not None:
-                return reply
+                return self._out(reply)
             warning = reply.warning
         lim = self.limits
         if lim.max_window_tokens is not None and (window := sum(c.window)) > lim.max_window_tokens:
@@ -306,17 +350,17 @@ class Breaker:
         if exit_code == 0:
             c.consecutive_failures = 0
             if _TEST_COMMAND.search(f"{tool} {summary} {c.calls[-1].text if c.calls else ''}"):
-                self.checkpoint(f"passing test: {summary or tool}"[:120])  # also progress
+                self._checkpoint(f"passing test: {summary or tool}"[:120])  # also progress
             self._changed()
-            return Reply(not self.state.terminal, self.state, self._feedback_if_halted())
+            return self._out(Reply(not self.state.terminal, self.state, self._feedback_if_halted()))
         c.consecutive_failures += 1
         self._changed()
         limit = self.limits.max_consecutive_failures
         if limit is not None and c.consecutive_failures >= limit:
-            reply = self._reply_trip(Rule.CONSECUTIVE_FAILURES, (
+            if self.manifest.breaker.rollback_on_consecutive_failures:
+                self._effects.add(Effect.ROLLBACK)
+            return self._reply_trip(Rule.CONSECUTIVE_FAILURES, (
                 f"{c.consecutive_failures} failed tool calls in a row (max_consecutive_failures={limit})"))
-            self.rollback_requested = self.manifest.breaker.rollback_on_consecutive_failures
-            return reply
         if self._stagnating():
             return self._reply_trip(Rule.STAGNATION, (
                 f"the last 3 tool inputs are over {self.limits.stagnation_similarity:.0%} alike and all failed"))
@@ -339,14 +383,14 @@ class Breaker:
             targets += [(p, Classification(Scope.OUT_OF_SCOPE, "outside the workspace")) for p in outside]
         for path, where in targets:
             request = Request("check", path, where, mutating)
-            verdict = self.decide(request, policy_verdict(request))
+            verdict = self._decide(request, policy_verdict(request))
             if not verdict.allow:
                 trip = self.trips[-1] if len(self.trips) > trips else None
-                return Reply(False, self.state, verdict.reason, trip=trip)
+                return self._out(Reply(False, self.state, verdict.reason, trip=trip))
         if args is not None:
             reply = self._call(tool, args)
             if not reply.allow:
-                return reply
+                return self._out(reply)
             if reply.warning:
                 return reply
         verdict = self._gate(f"{tool} call") if mutating else ALLOW
@@ -404,7 +448,7 @@ class Breaker:
         self.last_feedback = ""
         self._emit("approve", "", "allow", state=before.value, raise_to=raise_to)
         self._changed()
-        return Reply(True, self.state)
+        return Reply(True, self.state, effects=frozenset({Effect.RESUME}) if before.terminal else NO_EFFECTS)
 
     def stop(self) -> Reply:
         """An operator stops the run: terminal, whatever the state."""
@@ -412,16 +456,20 @@ class Breaker:
         self.last_feedback = "guard: the operator stopped this run."
         self._emit("stop", "", "deny", state=self.state.value)
         self._changed()
-        return Reply(False, self.state, self.last_feedback)
+        return Reply(False, self.state, self.last_feedback, effects=frozenset({Effect.HALT}))
 
     def checkpoint(self, label: str = "") -> Reply:
         """Mark a checkpoint (a known-good point): counts as progress."""
+        self._checkpoint(label)
+        return self._out(Reply(True, self.state))
+
+    def _checkpoint(self, label: str) -> None:
         entry = {"id": len(self.checkpoints) + 1, "label": label, "step": self._c.steps, "time": self.now()}
         self.checkpoints.append(entry)
         self._progress()
         self._emit("checkpoint", "", "allow", id=entry["id"], label=label or None)
+        self._effects.add(Effect.CHECKPOINT)
         self._changed()
-        return Reply(True, self.state)
 
     # ----- internals ------------------------------------------------------------------
 
@@ -484,7 +532,20 @@ class Breaker:
 
     def _reply_trip(self, rule: Rule, reason: str) -> Reply:
         verdict = self._trip(rule, reason, None)
-        return Reply(False, self.state, verdict.reason, trip=self.trips[-1])
+        return self._out(Reply(False, self.state, verdict.reason, trip=self.trips[-1]))
+
+    def _out(self, reply: Reply) -> Reply:
+        """*reply* carrying the effects decided during this call (copied: some replies are shared)."""
+        if not self._effects:
+            return reply
+        return replace(reply, effects=self._take_effects())
+
+    def _take_effects(self) -> Effects:
+        if not self._effects:
+            return NO_EFFECTS
+        effects = frozenset(self._effects)
+        self._effects.clear()
+        return effects
 
     def _trip(self, rule: Rule, reason: str, refused: Verdict | None) -> Verdict:
         """Record a trip and move the state; returns the denial carrying the feedback.
@@ -500,6 +561,7 @@ class Breaker:
         else:
             self.state = _OPEN_STATE[rule]
             self._refuse_next = False
+            self._effects.add(Effect.FREEZE)
         trip = Trip(rule, self.state, self._c.steps, self.now(), reason)
         self.trips.append(trip)
         self.last_feedback = self.feedback(trip)

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -228,8 +227,8 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         print("guard mount: --cache-timeout must be >= 0", file=sys.stderr)
         return Exit.USAGE
     try:
-        from guardfs.fs import GuardFS  # needs libfuse
-        from guardfs.mount import serve
+        from guardfs.mount import serve  # needs libfuse
+        from sandbox.session import Session
     except ImportError as err:
         raise MountError(f"libfuse 3 is not usable ({err}); install fuse3 and libfuse3-3") from err
     run_dir = Path(args.run_dir).resolve() if args.run_dir else None
@@ -240,9 +239,11 @@ def _cmd_mount(args: argparse.Namespace) -> int:
     events = EventLog(args.events or (run_dir / "events.jsonl" if run_dir else None), caps=manifest.record)
     try:
         if run_dir is None:
-            fs = GuardFS(args.backing, manifest, events, cache_timeout=args.cache_timeout, xattrs=args.xattrs)
-            os.umask(0)  # the kernel already applied the caller's umask to every mode we get
-            serve(fs, args.mountpoint, on_ready=lambda: log.info("serving %s at %s", args.backing, args.mountpoint))
+            with Session(manifest, args.backing, events, cache_timeout=args.cache_timeout,
+                         xattrs=args.xattrs) as session:
+                os.umask(0)  # the kernel already applied the caller's umask to every mode we get
+                serve(session.fs, args.mountpoint,
+                      on_ready=lambda: log.info("serving %s at %s", args.backing, args.mountpoint))
             return Exit.OK
         return _mount_with_daemon(args, manifest, events, run_dir)
     finally:
@@ -252,29 +253,26 @@ def _cmd_mount(args: argparse.Namespace) -> int:
 def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: EventLog, run_dir: Path) -> int:
     import pyfuse3
 
-    from guardfs.accounting import WriteAccounting
-    from guardfs.fs import GuardFS
     from guardfs.mount import serve
-    from sandbox.breaker import Breaker, State
-    from sandbox.daemon import Daemon, RunDirBusy
+    from sandbox.breaker import State
+    from sandbox.daemon import RunDirBusy
+    from sandbox.session import Session
 
-    accounting = WriteAccounting()
-    breaker = Breaker(manifest, accounting, now=time.time, emit=events.emit)
-    daemon = Daemon(breaker, run_dir, args.mountpoint, events, on_stop=pyfuse3.terminate)
+    session = Session(manifest, args.backing, events, run_dir=run_dir, mountpoint=args.mountpoint,
+                      cache_timeout=args.cache_timeout, xattrs=args.xattrs, on_stop=pyfuse3.terminate)
     try:
-        daemon.prepare()
+        session.prepare()
     except RunDirBusy as err:
+        session.close()
         print(f"guard mount: {err}", file=sys.stderr)
         return Exit.USAGE
     try:
-        fs = GuardFS(args.backing, manifest, events, decider=breaker, cache_timeout=args.cache_timeout,
-                     state_text=daemon.state_text, accounting=accounting, xattrs=args.xattrs)
         os.umask(0)
-        print(f"guard: run directory {run_dir} (agent socket {daemon.agent_path})", file=sys.stderr)
-        serve(fs, args.mountpoint, companions=[daemon.run])
+        print(f"guard: run directory {run_dir} (agent socket {session.daemon.agent_path})", file=sys.stderr)
+        serve(session.fs, args.mountpoint, companions=[session.daemon.run])
     finally:
-        daemon.cleanup()
-    return Exit.TRIPPED if breaker.state is State.OPEN_STOPPED else Exit.OK
+        session.close()
+    return Exit.TRIPPED if session.breaker.state is State.OPEN_STOPPED else Exit.OK
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -7,8 +7,13 @@ oversized line, a silent or slow client affects that connection alone.
 What a client can make the guard hold is bounded: at most :data:`MAX_CONNECTIONS` open
 connections per socket (one more closes the longest-idle one, so silent clients cannot
 lock the others out), :data:`~sandbox.protocol.MAX_LINE` bytes of unfinished line per
-connection and :data:`MAX_BUFFERED` across a socket's connections. The accept loop rides
-out descriptor and memory exhaustion (EMFILE, ENFILE, ENOBUFS, ENOMEM) by pausing.
+connection and :data:`MAX_BUFFERED` across a socket's connections. The accept loop is
+trio's :func:`trio.serve_listeners`; the listener it serves books each connection as it
+accepts it and rides out descriptor and memory exhaustion (EMFILE, ENFILE, ENOBUFS,
+ENOMEM) by pausing.
+
+The daemon decides nothing itself: the breaker answers, and the effects its replies carry
+(checkpoint, rollback, freeze, halt, resume) go to *on_effects*, the run's Session.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +36,8 @@ import trio
 
 from guardfs.events import EventLog, json_safe
 from sandbox.agents.fasthook import GuardUnreachable, HookPayloadError, decide, refuse_malformed
-from sandbox.breaker import Breaker, Reply
-from sandbox.ledger import render_state, write_ledger
+from sandbox.breaker import Breaker, Effect, Effects, Reply
+from sandbox.ledger import write_ledger
 from sandbox.protocol import (
     MAX_LINE,
     VERSION,
@@ -68,10 +74,10 @@ MAX_CONNECTIONS = 64
 #: Bytes of unfinished lines held across one socket's connections; beyond it the connection
 #: that needs more is answered with an error and closed.
 MAX_BUFFERED = 32 << 20
-# Accept errors that say "not now" (out of descriptors or buffers) and ones that concern only
-# the client that gave up; trio.serve_listeners treats the same errnos the same way.
+# Accept errors that say "not now" (out of descriptors or buffers): the ones
+# trio.serve_listeners pauses on. (trio's SocketListener already retries the ones that
+# concern only a client that gave up: ECONNABORTED, EPERM, EPROTO.)
 _ACCEPT_PAUSE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
-_ACCEPT_SKIP = frozenset({errno.ECONNABORTED, errno.EPERM, errno.EPROTO})
 ACCEPT_PAUSE_S = 0.1
 LEDGER_INTERVAL_S = 0.05
 #: The ledger writer rests this many times as long as its last write took.
@@ -107,6 +113,47 @@ class _Socket:
                 "over_budget": self.over_budget, "accept_errors": self.accept_errors}
 
 
+class _Listener(trio.abc.Listener[trio.SocketStream]):
+    """A listening socket that books each connection as it accepts it, so a burst of
+    accepts cannot overshoot :data:`MAX_CONNECTIONS` (a handler task starts later), and
+    that waits out capacity errors itself: one warning for a spell of them, not trio's
+    traceback every 100 ms."""
+
+    def __init__(self, sock: trio.socket.SocketType, kind: str, book: _Socket,
+                 evict: Callable[[_Socket, str], None]) -> None:
+        self.socket = sock
+        self._inner = trio.SocketListener(sock)  # retries what concerns only one client
+        self.kind, self.book, self.evict = kind, book, evict
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    async def accept(self) -> trio.SocketStream:
+        pauses = 0
+        while True:
+            try:
+                stream = await self._inner.accept()
+            except OSError as err:
+                self.book.accept_errors += 1
+                if err.errno not in _ACCEPT_PAUSE:
+                    raise
+                # Pending clients wait in the backlog; connections being served end and
+                # free their descriptors meanwhile.
+                if pauses == 0:
+                    log.warning("%s socket: cannot accept (%s); pausing until it can", self.kind,
+                                os.strerror(err.errno or 0))
+                pauses += 1
+                await trio.sleep(ACCEPT_PAUSE_S)
+                continue
+            if pauses:
+                log.warning("%s socket: accepting again after %d pauses", self.kind, pauses)
+            self.book.accepted += 1
+            if len(self.book.conns) >= MAX_CONNECTIONS:
+                self.evict(self.book, self.kind)
+            self.book.conns[id(stream)] = _Conn()
+            return stream
+
+
 def _reply(reply: Reply) -> dict[str, Any]:
     out: dict[str, Any] = {"v": VERSION, "ok": True, "allow": reply.allow, "state": reply.state.value}
     if reply.feedback:
@@ -120,7 +167,13 @@ def _reply(reply: Reply) -> dict[str, Any]:
 
 
 class Daemon:
-    """Serves *breaker* on ``agent.sock`` and ``control.sock`` in *run_dir*."""
+    """Serves *breaker* on ``agent.sock`` and ``control.sock`` in *run_dir*.
+
+    Built by :class:`~sandbox.session.Session`. *workspace* is where the agent sees the
+    workspace (hook paths are relative to it); *on_effects* carries out what the breaker's
+    replies require; *on_rollback* is the operator's ``rollback`` (None: this guard keeps no
+    pre-images); *on_stop* runs after the reply to ``stop`` went out.
+    """
 
     def __init__(
         self,
@@ -128,17 +181,18 @@ class Daemon:
         run_dir: Path,
         workspace: str,
         events: EventLog,
-        on_stop: Callable[[], None] | None = None,
-        on_checkpoint: Callable[[], None] | None = None,
+        *,
+        on_effects: Callable[[Effects], None] | None = None,
         on_rollback: Callable[[], int] | None = None,
+        on_stop: Callable[[], None] | None = None,
         agent_path: Path | None = None,
     ) -> None:
         self.breaker = breaker
         self.run_dir = run_dir
         self.workspace = os.path.abspath(workspace)
         self.events = events
+        self.on_effects = on_effects or (lambda effects: None)
         self.on_stop = on_stop or (lambda: None)
-        self.on_checkpoint = on_checkpoint or (lambda: None)
         self.on_rollback = on_rollback
         self.agent_path = agent_path or run_dir / AGENT_SOCKET
         self.control_path = run_dir / CONTROL_SOCKET
@@ -177,28 +231,25 @@ class Daemon:
             self._written = self.breaker.version
             write_ledger(self.run_dir, self.breaker.snapshot())
 
-    def state_text(self) -> str:
-        """STATE.md as of now (what guardfs serves as .guard/STATE.md): bounded, and with
-        every name escaped, so it always encodes as UTF-8."""
-        return render_state(self.breaker.snapshot())
-
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve both sockets, write the ledger and tick the clock until cancelled.
 
         Reports started once both sockets are listening.
         """
-        agent = await self._listen(self.agent_path, 0o666)
-        control = await self._listen(self.control_path, 0o600)
+        agent = _Listener(await self._listen(self.agent_path, 0o666), "agent", self._sockets["agent"], self._evict)
+        control = _Listener(await self._listen(self.control_path, 0o600), "control", self._sockets["control"],
+                            self._evict)
         try:
             async with trio.open_nursery() as nursery:
                 task_status.started()
-                nursery.start_soon(self._accept_loop, agent, "agent")
-                nursery.start_soon(self._accept_loop, control, "control")
+                # One serve_listeners per socket: each handler knows which socket it serves.
+                nursery.start_soon(partial(trio.serve_listeners, partial(self._serve_conn, "agent"), [agent]))
+                nursery.start_soon(partial(trio.serve_listeners, partial(self._serve_conn, "control"), [control]))
                 nursery.start_soon(self._ledger_loop)
                 nursery.start_soon(self._tick_loop)
-        finally:
-            agent.close()
-            control.close()
+        finally:  # serve_listeners closes them; not if cancelled before it started
+            agent.socket.close()
+            control.socket.close()
 
     async def _listen(self, path: Path, mode: int) -> trio.socket.SocketType:
         sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -214,37 +265,6 @@ class Daemon:
         return sock
 
     # ----- connections ---------------------------------------------------------------
-
-    async def _accept_loop(self, sock: trio.socket.SocketType, kind: str) -> None:
-        book = self._sockets[kind]
-        pauses = 0
-        async with trio.open_nursery() as nursery:
-            while True:
-                try:
-                    conn, _ = await sock.accept()
-                except OSError as err:
-                    book.accept_errors += 1
-                    if err.errno in _ACCEPT_SKIP:
-                        continue
-                    if err.errno in _ACCEPT_PAUSE:
-                        # Pending clients wait in the backlog; connections being served end
-                        # and free their descriptors meanwhile.
-                        if pauses == 0:
-                            log.warning("%s socket: cannot accept (%s); pausing until it can", kind,
-                                        os.strerror(err.errno or 0))
-                        pauses += 1
-                        await trio.sleep(ACCEPT_PAUSE_S)
-                        continue
-                    raise
-                if pauses:
-                    log.warning("%s socket: accepting again after %d pauses", kind, pauses)
-                    pauses = 0
-                book.accepted += 1
-                if len(book.conns) >= MAX_CONNECTIONS:
-                    self._evict(book, kind)
-                # Counted here, not when its task starts: a burst of accepts cannot overshoot.
-                entry = book.conns[id(conn)] = _Conn()
-                nursery.start_soon(self._serve_conn, trio.SocketStream(conn), kind, entry, id(conn))
 
     def _evict(self, book: _Socket, kind: str) -> None:
         """Close the longest-idle connection of *book* to make room for a new one."""
@@ -263,8 +283,13 @@ class Daemon:
             return None
         return f"uid {uid} may not use the control socket (owner uid {os.geteuid()})"
 
-    async def _serve_conn(self, stream: trio.SocketStream, kind: str, conn: _Conn, key: int) -> None:
+    async def _serve_conn(self, kind: str, stream: trio.SocketStream) -> None:
+        """serve_listeners' handler for one connection (booked by the listener that accepted it)."""
         book = self._sockets[kind]
+        key = id(stream)
+        conn = book.conns.get(key)
+        if conn is None:  # evicted before its task began (serve_listeners closes the stream)
+            return
         buf = bytearray()
         try:
             async with stream:  # closed however the connection ends, eviction included
@@ -339,14 +364,15 @@ class Daemon:
         except ProtocolError as err:
             self.events.emit("protocol", kind, "deny", reason=str(err)[:500])
             return error_reply(str(err))
-        checkpoints = len(self.breaker.checkpoints)
-        reply = self._dispatch(msg, kind)
-        if len(self.breaker.checkpoints) != checkpoints:
-            self.on_checkpoint()
-        if self.breaker.rollback_requested:
-            self.breaker.rollback_requested = False
-            self._rollback()
-        return reply
+        return self._dispatch(msg, kind)
+
+    def _answer(self, reply: Reply) -> dict[str, Any]:
+        """The breaker's *reply* as sent, once its effects are carried out."""
+        if reply.effects:
+            self.on_effects(reply.effects)
+            if Effect.HALT in reply.effects:
+                self._stopping = True  # on_stop runs once the reply went out
+        return _reply(reply)
 
     def _ask_self(self, message: dict[str, Any]) -> dict[str, Any]:
         """The hook logic's questions, answered here without a socket."""
@@ -359,7 +385,6 @@ class Daemon:
         if self.on_rollback is None:
             return error_reply("this guard keeps no pre-images (rollback is for guard run)")
         restored = self.on_rollback()
-        self.events.emit("rollback", "", "allow", paths=restored)
         return {"v": VERSION, "ok": True, "state": self.breaker.state.value, "restored": restored}
 
     def _dispatch(self, msg: Any, kind: str) -> dict[str, Any]:
@@ -368,16 +393,16 @@ class Daemon:
             b.activity()
         match msg:
             case Hello():
-                return _reply(b.hello(msg.agent))
+                return self._answer(b.hello(msg.agent))
             case Step():
-                return _reply(b.step(msg.tokens_in, msg.tokens_out, msg.tokens_cached, msg.tool, msg.args))
+                return self._answer(b.step(msg.tokens_in, msg.tokens_out, msg.tokens_cached, msg.tool, msg.args))
             case ToolResult():
-                return _reply(b.tool_result(msg.tool, msg.exit_code, msg.summary))
+                return self._answer(b.tool_result(msg.tool, msg.exit_code, msg.summary))
             case Check():
                 paths, outside = self._relative(msg.paths)
-                return _reply(b.check(msg.tool, paths, msg.args, msg.mutating, outside=outside))
+                return self._answer(b.check(msg.tool, paths, msg.args, msg.mutating, outside=outside))
             case Note():
-                return _reply(b.note(msg.kind, msg.text))
+                return self._answer(b.note(msg.kind, msg.text))
             case Hook():
                 try:
                     code, text = decide(msg.event, self._ask_self, msg.agent)
@@ -389,12 +414,11 @@ class Daemon:
                 return {"v": VERSION, "ok": True, "state": b.state.value, "ledger": json_safe(b.snapshot()),
                         "connections": {k: v.counters() for k, v in self._sockets.items()}}
             case Approve():
-                return _reply(b.approve(msg.raise_to))
+                return self._answer(b.approve(msg.raise_to))
             case Stop():
-                self._stopping = True
-                return _reply(b.stop())
+                return self._answer(b.stop())
             case Checkpoint():
-                return _reply(b.checkpoint(msg.label))
+                return self._answer(b.checkpoint(msg.label))
             case Rollback():
                 return self._rollback()
         raise AssertionError(f"unhandled message {msg!r}")  # the parsers admit nothing else
@@ -407,7 +431,7 @@ class Daemon:
             rel = os.path.relpath(full, self.workspace)
             if rel == ".":
                 inside.append("")
-            elif rel.startswith(".."):
+            elif rel.split(os.sep, 1)[0] == "..":  # a component, not a prefix: "..cache/x" is inside
                 outside.append(full)
             else:
                 inside.append(rel)
@@ -438,4 +462,6 @@ class Daemon:
     async def _tick_loop(self) -> None:
         while True:
             await trio.sleep(TICK_INTERVAL_S)
-            self.breaker.tick()
+            reply = self.breaker.tick()
+            if reply is not None and reply.effects:
+                self.on_effects(reply.effects)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import math
 import os
 import pwd
 import shutil
@@ -22,29 +23,29 @@ import termios
 import time
 import traceback
 import tty
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import pyfuse3
 import trio
 
 from guardfs.accounting import WriteAccounting
 from guardfs.events import EventLog, printable
-from guardfs.fs import GuardFS
 from guardfs.manifest import Manifest
 from guardfs.mount import check_fuse_available, init_mount, keepalive, mount_options
 from sandbox.agents import Event, to_messages
 from sandbox.agents.hooks import compiled_helper, launch
 from sandbox.agents.registry import AGENTS
-from sandbox.breaker import Breaker, State
+from sandbox.breaker import Breaker, Effect, Effects, State
 from sandbox.daemon import Daemon
 from sandbox.exitcodes import Exit
 from sandbox.isolation import SANDBOX_RUN_DIR, bwrap_argv, private_mount_namespace, probe, system_entry
 from sandbox.lanes import LaneStage, plan_lanes
 from sandbox.ledger import write_ledger
 from sandbox.quarantine import Recorder, console, digest
+from sandbox.session import Session
 from sandbox.supervisor import ProcessTree, Spawner, wait_exit
 
 __all__ = ["SYSTEM_RUNS", "RunOptions", "default_run_dir", "run"]
@@ -83,19 +84,6 @@ class _Outcome:
         return self.recorders[-1]
 
 
-def _halting(events: EventLog, outcome: _Outcome) -> Callable[..., Any]:
-    """The breaker's event sink: records the event and, on a terminal trip, freezes the
-    agent's tree at once, inside the request that tripped, before the agent gets its answer
-    (the watcher then stops it or waits for a human). Polling alone let a fast agent take
-    a few more steps first."""
-    def emit(op: str, path: str, decision: str, **detail: Any) -> dict[str, Any]:
-        event = events.emit(op, path, decision, **detail)
-        if op == "trip" and State(detail["state"]).terminal and outcome.tree is not None:
-            outcome.tree.freeze()
-        return event
-    return emit
-
-
 #: Where runs of an agent of another user (--user) go by default: root's home is closed to
 #: that user, whose bubblewrap must reach the run directory to hide it.
 SYSTEM_RUNS = Path("/var/lib/guardfs/runs")
@@ -132,28 +120,22 @@ def run(opts: RunOptions) -> int:
     events = EventLog(run_dir / "events.jsonl", caps=opts.manifest.record)
     lane_stage = LaneStage(stage)
     lane_args = _fast_lanes(opts, bwrap, lane_stage, events)
-    accounting = WriteAccounting()
     outcome = _Outcome()
-    breaker = Breaker(opts.manifest, accounting, now=time.time, emit=_halting(events, outcome))
     (run_dir / "workspace").write_text(str(opts.workspace))  # for an offline guard rollback
-    fs_box: list[GuardFS] = []
-    daemon = Daemon(breaker, run_dir, str(opts.workspace), events,
-                    on_checkpoint=lambda: _checkpoint(fs_box[0]), on_rollback=lambda: len(fs_box[0].rollback()),
-                    agent_path=stage / "agent.sock")
-    daemon.prepare()
-    fs = GuardFS(str(opts.workspace), opts.manifest, events, decider=breaker, cache_timeout=opts.cache_timeout,
-                 state_text=daemon.state_text, accounting=accounting, checkpoint_dir=run_dir / "checkpoint",
-                 xattrs=opts.xattrs)
-    fs_box.append(fs)
-    os.umask(0)
-    unmount = init_mount(fs, str(mnt), mount_options(f"guardfs:{opts.manifest.task.id}"))
+    session = Session(opts.manifest, opts.workspace, events, run_dir=run_dir, agent_path=stage / "agent.sock",
+                      checkpoints=True, cache_timeout=opts.cache_timeout, xattrs=opts.xattrs)
+    breaker, accounting = session.breaker, session.accounting
     try:
-        with keepalive(str(mnt)):
-            outcome.failure = _serve(opts, bwrap, daemon, outcome, mnt, lane_args)
+        session.prepare()
+        os.umask(0)
+        unmount = init_mount(session.fs, str(mnt), mount_options(f"guardfs:{opts.manifest.task.id}"))
+        try:
+            with keepalive(str(mnt)):
+                outcome.failure = _serve(opts, bwrap, session, outcome, mnt, lane_args)
+        finally:
+            unmount()
     finally:
-        unmount()
-        fs.close()
-        daemon.cleanup()
+        session.close()
         events.close()
         lane_stage.cleanup()
         _keep_exec_logs(stage, run_dir)
@@ -191,18 +173,13 @@ def _keep_exec_logs(stage: Path, run_dir: Path) -> None:
     staged.rmdir()
 
 
-def _checkpoint(fs: GuardFS) -> None:
-    if fs.preimages is not None:
-        fs.preimages.checkpoint()
-
-
 def _serve(
-    opts: RunOptions, bwrap: str | None, daemon: Daemon, outcome: _Outcome, mnt: Path, lane_args: list[str]
+    opts: RunOptions, bwrap: str | None, session: Session, outcome: _Outcome, mnt: Path, lane_args: list[str]
 ) -> dict[str, str] | None:
     """The run's trio loop. A defect of ours that escapes it (a FUSE handler, the daemon, a
     pump) has stopped the agent on its way out; it is recorded, and the run ends with 70."""
     try:
-        trio.run(_main, opts, bwrap, daemon, outcome, mnt, lane_args)
+        trio.run(_main, opts, bwrap, session, outcome, mnt, lane_args)
     except Exception as err:
         return _record_failure(opts.run_dir, err)
     return None
@@ -236,13 +213,13 @@ def _exit_status(outcome: _Outcome) -> int:
 
 
 async def _main(
-    opts: RunOptions, bwrap: str | None, daemon: Daemon, outcome: _Outcome, mnt: Path, lane_args: list[str]
+    opts: RunOptions, bwrap: str | None, session: Session, outcome: _Outcome, mnt: Path, lane_args: list[str]
 ) -> None:
     async with trio.open_nursery() as services:
-        await services.start(daemon.run)
+        await services.start(session.daemon.run)
         services.start_soon(pyfuse3.main)
         try:
-            await _run_agent(opts, bwrap, daemon, outcome, mnt, lane_args)
+            await _run_agent(opts, bwrap, session, outcome, mnt, lane_args)
         finally:
             services.cancel_scope.cancel()
 
@@ -329,8 +306,9 @@ def _extra_writable(opts: RunOptions) -> list[Path]:
 
 
 async def _run_agent(
-    opts: RunOptions, bwrap: str | None, daemon: Daemon, outcome: _Outcome, mnt: Path, lane_args: list[str]
+    opts: RunOptions, bwrap: str | None, session: Session, outcome: _Outcome, mnt: Path, lane_args: list[str]
 ) -> None:
+    daemon = session.daemon
     use_pty = not opts.ci and os.isatty(0) and os.isatty(1)
     argv, cwd, env = _agent_argv(opts, bwrap, daemon, use_pty, mnt, lane_args)
     echo = None if opts.ci else console()
@@ -366,7 +344,7 @@ async def _run_agent(
             tree = outcome.tree = ProcessTree(proc.pid)
             try:
                 async with trio.open_nursery() as watchers:
-                    watchers.start_soon(_watch, daemon.breaker, tree, opts, outcome)
+                    watchers.start_soon(_watch, session, tree, opts, outcome)
                     watchers.start_soon(_on_signals, tree, outcome)
                     with _raw_terminal(use_pty):
                         code = await wait_exit(proc)
@@ -480,12 +458,32 @@ def _raw_terminal(active: bool) -> Iterator[None]:
         termios.tcsetattr(0, termios.TCSADRAIN, saved)
 
 
-async def _watch(breaker: Breaker, tree: ProcessTree, opts: RunOptions, outcome: _Outcome) -> None:
-    """Freeze the tree on a terminal trip (or stop it in CI); thaw it on approve."""
+async def _watch(session: Session, tree: ProcessTree, opts: RunOptions, outcome: _Outcome) -> None:
+    """Freeze the tree on a terminal trip (or stop it in CI); thaw it on approve.
+
+    Woken by the breaker's effects, the state read afresh each time. A terminal trip
+    freezes the tree at once, inside the request that tripped, before the agent gets its
+    answer; this task then stops it or tells the human what to do."""
+    send, changes = trio.open_memory_channel[Effects](math.inf)  # a few per trip or approve
+
+    def on_effects(effects: Effects) -> None:
+        if Effect.FREEZE in effects:
+            tree.freeze()
+        if effects & {Effect.FREEZE, Effect.HALT, Effect.RESUME}:
+            send.send_nowait(effects)
+
+    unwatch = session.watch(on_effects)
+    try:
+        await _follow(session.breaker, tree, opts, outcome, changes)
+    finally:
+        unwatch()
+
+
+async def _follow(breaker: Breaker, tree: ProcessTree, opts: RunOptions, outcome: _Outcome,
+                  changes: trio.MemoryReceiveChannel[Effects]) -> None:
     stop_on_terminal = opts.ci or opts.manifest.breaker.on_terminal == "stop"
     announced = False
     while True:
-        await trio.sleep(0.01)  # a trip freezes the tree at once (_halting); this follows up
         state = breaker.state
         if state is State.OPEN_STOPPED or (state.terminal and stop_on_terminal):
             outcome.tripped = state
@@ -501,6 +499,7 @@ async def _watch(breaker: Breaker, tree: ProcessTree, opts: RunOptions, outcome:
             tree.thaw()
             announced = False
             _say("approved: the agent resumes")
+        await changes.receive()
 
 
 async def _on_signals(tree: ProcessTree, outcome: _Outcome) -> None:

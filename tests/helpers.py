@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from sandbox.breaker import Breaker, State
 
-__all__ = ["FIX_TAX", "snapshot", "state_of", "wait_for"]
+__all__ = ["FIX_TAX", "git_env", "require", "snapshot", "state_of", "wait_for"]
 
 #: The scope most end-to-end tests use: writes in src/checkout/ only, .env* forbidden.
 FIX_TAX = """
@@ -59,3 +62,21 @@ def snapshot(root: Path) -> dict[str, tuple[int, bytes, float]]:
             )
             out[rel] = (st.st_mode, data + b"\0" + xattrs, st.st_mtime)
     return out
+
+
+def git_env(home: Path) -> dict[str, str]:
+    """An environment in which git needs no user configuration."""
+    env = dict(os.environ)
+    env.update(
+        HOME=str(home), GIT_CONFIG_NOSYSTEM="1", GIT_AUTHOR_NAME="Agent", GIT_AUTHOR_EMAIL="agent@example.invalid",
+        GIT_COMMITTER_NAME="Agent", GIT_COMMITTER_EMAIL="agent@example.invalid",
+    )
+    return env
+
+
+def require(tool: str) -> str:
+    """The path of *tool*, or skip naming it."""
+    path = shutil.which(tool)
+    if path is None:
+        pytest.skip(f"{tool} is not installed")
+    return path

@@ -14,8 +14,8 @@ import pytest
 
 from sandbox.agents.hooks import compiled_helper, hook_command
 
-from .conftest import guarded_mount
 from .helpers import FIX_TAX as MANIFEST
+from .mounts import guarded_mount
 
 
 def hook(agent: str, event: dict[str, object], socket: Path, how: str = "python") -> subprocess.CompletedProcess[str]:

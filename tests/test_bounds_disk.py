@@ -32,8 +32,8 @@ from guardfs.fs import GuardFS
 from guardfs.manifest import parse_manifest
 from sandbox.quarantine import LOG_MAX_BYTES, Recorder, _failing_lines, digest
 
-from .conftest import _ServerThread
 from .helpers import FIX_TAX, wait_for
+from .mounts import _ServerThread
 from .test_run import UNPRIVILEGED_PYTHON, _copy_installation, needs_root, workspace
 
 MiB = 1 << 20
@@ -247,6 +247,7 @@ def checkpointed_mount(root: Path, manifest: str) -> Iterator[tuple[GuardFS, Pat
         yield fs, mnt, server
     finally:
         server.stop()
+        fs.close()
         events.close()
         server.check_clean()
 

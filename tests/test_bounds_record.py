@@ -24,8 +24,8 @@ from guardfs.events import EventLog, escape_name, printable, unescape
 from guardfs.manifest import Record
 from sandbox.client import GuardClient
 
-from .conftest import CHECKOUT_MANIFEST, guarded_mount
 from .helpers import FIX_TAX, wait_for
+from .mounts import CHECKOUT_MANIFEST, guarded_mount
 
 INVALID = 2000  # malformed lines sent on the agent socket: a flood of droppable events
 

@@ -16,8 +16,8 @@ import pytest
 from sandbox.client import GuardClient
 from sandbox.ledger import render_state
 
-from .conftest import guarded_mount
 from .helpers import FIX_TAX, state_of, wait_for
+from .mounts import guarded_mount
 
 MANIFEST = FIX_TAX + "[limits]\nmax_window_tokens = 30000\n"
 

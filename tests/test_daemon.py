@@ -16,14 +16,14 @@ import pytest
 import trio
 import trio.testing
 
-from guardfs.accounting import WriteAccounting
 from guardfs.events import EventLog
 from guardfs.manifest import parse_manifest
 from sandbox import daemon as daemon_module
-from sandbox.breaker import Breaker, State
+from sandbox.breaker import State
 from sandbox.client import AsyncGuardClient, GuardClientError
 from sandbox.daemon import Daemon, RunDirBusy
 from sandbox.protocol import MAX_LINE
+from sandbox.session import Session
 
 from .helpers import FIX_TAX, state_of
 
@@ -37,18 +37,17 @@ idle_timeout_s = 60
 
 @asynccontextmanager
 async def running_daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
-    """A daemon (no mount) serving a breaker on trio's clock."""
+    """The daemon of a session (no mount) serving its breaker on trio's clock."""
     events = EventLog(tmp_path / "events.jsonl")
-    breaker = Breaker(parse_manifest(MANIFEST), WriteAccounting(), now=trio.current_time, emit=events.emit)
-    daemon = Daemon(breaker, tmp_path / "run", str(tmp_path / "ws"), events)
-    daemon.prepare()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(daemon.run)
-        try:
-            yield daemon
-        finally:
-            nursery.cancel_scope.cancel()
-    daemon.cleanup()
+    (tmp_path / "ws").mkdir(exist_ok=True)
+    with Session(parse_manifest(MANIFEST), tmp_path / "ws", events, run_dir=tmp_path / "run",
+                 now=trio.current_time) as session:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(session.daemon.run)
+            try:
+                yield session.daemon
+            finally:
+                nursery.cancel_scope.cancel()
     events.close()
 
 
@@ -228,9 +227,12 @@ async def test_control_socket_checks_peer_credentials() -> None:
 
 async def test_a_second_guard_on_the_same_run_dir_is_refused(tmp_path: Path) -> None:
     async with running_daemon(tmp_path) as d:
-        other = Daemon(d.breaker, d.run_dir, str(tmp_path), d.events)
+        other = Session(d.breaker.manifest, tmp_path / "ws", d.events, run_dir=d.run_dir)
         with pytest.raises(RunDirBusy):
             await trio.to_thread.run_sync(other.prepare)
+        other.close()  # leaves the serving guard's sockets alone
+        assert d.agent_path.exists() and d.control_path.exists()
+        await good_client_works(d)
 
 
 async def test_client_reports_unreachable_guard(tmp_path: Path) -> None:
@@ -238,28 +240,23 @@ async def test_client_reports_unreachable_guard(tmp_path: Path) -> None:
         await AsyncGuardClient.connect(tmp_path / "nothing.sock")
 
 
-async def test_consecutive_failures_can_roll_back(tmp_path: Path) -> None:
-    """With [breaker] rollback_on_consecutive_failures, the trip asks the guard to roll back."""
+async def test_a_name_that_starts_with_two_dots_is_inside_the_workspace(tmp_path: Path) -> None:
+    """``..cache/x.py`` is a path in the workspace (a component equal to ``..`` leaves it,
+    a name starting with two dots does not): in scope it is allowed, no scope_spill."""
     events = EventLog(tmp_path / "events.jsonl")
-    manifest = parse_manifest(MANIFEST + "[breaker]\nrollback_on_consecutive_failures = true\n")
-    breaker = Breaker(manifest, WriteAccounting(), now=trio.current_time, emit=events.emit)
-    rollbacks: list[int] = []
-
-    def rollback() -> int:
-        rollbacks.append(1)
-        return 3  # paths restored, as GuardFS.rollback would say
-
-    daemon = Daemon(breaker, tmp_path / "run", str(tmp_path / "ws"), events, on_rollback=rollback)
-    daemon.prepare()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(daemon.run)
-        async with await AsyncGuardClient.connect(daemon.agent_path) as agent:
-            for i in range(3):
-                reply = await agent.tool_result("Bash", 1, f"make step{i}")
-        nursery.cancel_scope.cancel()
-    daemon.cleanup()
+    (tmp_path / "ws").mkdir()
+    manifest = parse_manifest(FIX_TAX.replace('allowed = ["src/checkout/"]', 'allowed = ["src/checkout/", "..cache/"]'))
+    with Session(manifest, tmp_path / "ws", events, run_dir=tmp_path / "run", now=trio.current_time) as session:
+        d = session.daemon
+        async with trio.open_nursery() as nursery:
+            await nursery.start(d.run)
+            async with await AsyncGuardClient.connect(d.agent_path) as agent:
+                inside = await agent.request({"type": "check", "tool": "Write", "paths": ["..cache/x.py"]})
+                assert inside["allow"] and "trip" not in inside, inside
+                absolute = await agent.request({"type": "check", "tool": "Write",
+                                                "paths": [str(tmp_path / "ws/..cache/y.py")]})
+                assert absolute["allow"], absolute
+                outside = await agent.request({"type": "check", "tool": "Write", "paths": ["../x.py"]})
+                assert not outside["allow"] and outside["trip"]["rule"] == "scope_spill", outside
+            nursery.cancel_scope.cancel()
     events.close()
-    assert reply["trip"]["rule"] == "consecutive_failures"
-    assert rollbacks == [1]
-    lines = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert any(e["op"] == "rollback" and e["paths"] == 3 for e in lines)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import Guarded, guarded_mount
 from .helpers import snapshot
+from .mounts import Guarded, guarded_mount
 
 _libc = ctypes.CDLL(None, use_errno=True)
 RENAME_NOREPLACE = 1

@@ -11,7 +11,7 @@ import pytest
 
 from guardfs.checkpoint import PreImages, rollback_offline
 
-from .conftest import Guarded, guarded_mount
+from .mounts import Guarded, guarded_mount
 
 DEPTH = 1200
 

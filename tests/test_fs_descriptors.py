@@ -14,8 +14,8 @@ import pytest
 
 from guardfs.fs import FD_RESERVE
 
-from .conftest import guarded_mount
 from .helpers import wait_for
+from .mounts import guarded_mount
 
 # Opens one file through the mount until refused, says how many and why, then holds them
 # all until its stdin closes. A child of its own: the test process (which serves the mount

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from guardfs.events import escape_name, unescape
 
-from .conftest import guarded_mount
+from .mounts import guarded_mount
 
 NAME = b"src/checkout/\xff"
 PATH = os.fsdecode(NAME)  # "src/checkout/\udcff": the byte kept as a lone surrogate

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import Guarded, guarded_mount
 from .helpers import snapshot
+from .mounts import Guarded, guarded_mount
 
 MANIFEST = (Path(__file__).parent.parent / "manifests/checkout-bugfix.toml").read_text(encoding="utf-8")
 TAX = "src/checkout/tax.py"

@@ -10,7 +10,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-from .conftest import Guarded, git_env, guarded_mount, require
+from .helpers import git_env, require
+from .mounts import Guarded, guarded_mount
 
 
 def run(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:

@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from sandbox.agents.fasthook import MUTATING_TOOLS, connect_unix, run_hook
 from sandbox.breaker import State
 
-from .conftest import Guarded, guarded_mount
 from .helpers import state_of
+from .mounts import Guarded, guarded_mount
 
 MANIFEST = """
 [task]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .conftest import guarded_mount
 from .helpers import wait_for
+from .mounts import guarded_mount
 
 
 def drop_kernel_caches() -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import guarded_mount
 from .helpers import snapshot
+from .mounts import guarded_mount
 
 LIMITED = """
 [task]

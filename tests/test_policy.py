@@ -11,7 +11,7 @@ import pytest
 from guardfs.manifest import parse_manifest
 from guardfs.policy import PathPolicy, Scope
 
-from .conftest import require
+from .helpers import require
 
 PATTERNS = [".env*", "src/auth/root_keys.ts", ".github/workflows/", "**/migrations/", "*.pem",
             "/build", "docs/**/*.png", "!docs/keep.png", "secret?.txt", "[Tt]mp/"]

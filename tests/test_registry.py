@@ -16,7 +16,7 @@ import pytest
 
 from guardfs.fs import UNSUPPORTED, GuardFS
 
-from .conftest import guarded_mount
+from .mounts import guarded_mount
 
 # Hooks of pyfuse3.Operations that are not FUSE requests.
 _NOT_REQUESTS = {"init", "stacktrace"}

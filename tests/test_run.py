@@ -348,6 +348,8 @@ def test_terminal_trip_freezes_then_rollback_and_approve_resume(tmp_path: Path) 
     assert log.count("refused: Read-only file system") == 2
     assert "after approve: return x" in log  # the agent sees the rolled-back file through the mount
     assert "frozen" in err and "approved: the agent resumes" in err
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["paths"] for e in events if e["op"] == "rollback" and e["path"] == ""] == [1]  # one rollback, one event
 
 
 @needs_root

@@ -11,7 +11,8 @@ import pytest
 
 from sandbox.client import GuardClient
 
-from .conftest import Guarded, git_env, guarded_mount
+from .helpers import git_env
+from .mounts import Guarded, guarded_mount
 
 
 def test_state_file_is_current_and_read_only(guarded: Guarded, tmp_path: Path) -> None:

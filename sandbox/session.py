@@ -1,0 +1,201 @@
+"""One guarded run, built in one place: manifest → policy → accounting → breaker → GuardFS → daemon.
+
+``guard run``, ``guard mount`` (with or without ``--run-dir``), the test fixtures and the
+benchmarks all build their run here; nothing else wires these parts by hand. The Session
+also carries out what the breaker decides: its replies say which :class:`Effect` must
+happen (a checkpoint, a rollback, freezing, halting or resuming the agent), and
+:meth:`Session.carry_out` does the first two itself and tells its listeners (the
+launcher) about the rest.
+
+Without a run directory the Session is a plain guarded mount: the manifest's limits, no
+breaker and no sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+from guardfs.accounting import WriteAccounting
+from guardfs.decision import Request, Verdict
+from guardfs.events import EventLog
+from guardfs.fs import GuardFS
+from guardfs.manifest import Manifest
+from guardfs.policy import PathPolicy
+from sandbox.breaker import Breaker, Effect, Effects
+from sandbox.daemon import Daemon
+from sandbox.ledger import render_state
+
+__all__ = ["Session", "git_config_exists"]
+
+log = logging.getLogger(__name__)
+
+
+def git_config_exists(workspace: str | os.PathLike[str]) -> bool:
+    """Whether *workspace* has a ``.git/config`` now (anything there but "no such file"
+    counts as yes: the answer makes it read-only, the safe side)."""
+    try:
+        os.lstat(os.path.join(workspace, ".git", "config"))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+    return True
+
+
+class Session:
+    """A guarded run of *workspace* under *manifest*, its events going to *events*.
+
+    With *run_dir*, a breaker judges every request and a daemon serves it on the run
+    directory's sockets; *mountpoint* is where the agent sees the workspace (hook paths are
+    relative to it; default: the workspace itself, as in ``guard run``). *checkpoints* keeps
+    pre-images in ``run_dir/checkpoint`` for rollback. *on_stop* runs once the reply to an
+    operator's ``stop`` went out (``guard mount`` ends its mount there). *now* is the
+    breaker's clock.
+
+    Call :meth:`prepare` before serving (it claims the run directory) and :meth:`close`
+    after the mount is gone; or use the Session as a context manager.
+    """
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        workspace: str | os.PathLike[str],
+        events: EventLog,
+        *,
+        run_dir: Path | None = None,
+        mountpoint: str | os.PathLike[str] | None = None,
+        agent_path: Path | None = None,
+        checkpoints: bool = False,
+        cache_timeout: float = 60.0,
+        xattrs: bool = False,
+        now: Callable[[], float] = time.time,
+        on_stop: Callable[[], None] | None = None,
+    ) -> None:
+        if checkpoints and run_dir is None:
+            raise ValueError("checkpoints are kept in the run directory: give run_dir")
+        self.manifest = manifest
+        self.events = events
+        self.run_dir = run_dir
+        self.policy = PathPolicy(manifest, git_config_existed=git_config_exists(workspace))
+        self.accounting = WriteAccounting()
+        self._breaker: Breaker | None = None
+        if run_dir is not None:
+            self._breaker = Breaker(manifest, self.accounting, now=now, emit=events.emit, policy=self.policy)
+        self.fs = GuardFS(
+            os.fspath(workspace), manifest, events,
+            decider=self if self._breaker is not None else None,
+            cache_timeout=cache_timeout,
+            state_text=self.state_text if self._breaker is not None else None,
+            accounting=self.accounting,
+            checkpoint_dir=run_dir / "checkpoint" if checkpoints and run_dir is not None else None,
+            xattrs=xattrs,
+            policy=self.policy,
+        )
+        self._daemon: Daemon | None = None
+        if self._breaker is not None and run_dir is not None:
+            self._daemon = Daemon(
+                self._breaker, run_dir, os.fspath(mountpoint if mountpoint is not None else workspace), events,
+                on_effects=self.carry_out, on_rollback=self.rollback if checkpoints else None,
+                on_stop=on_stop, agent_path=agent_path,
+            )
+        self._listeners: list[Callable[[Effects], None]] = []
+        self._prepared = False
+
+    @property
+    def guarded(self) -> bool:
+        """Whether a breaker and a daemon serve this run (it has a run directory)."""
+        return self._daemon is not None
+
+    @property
+    def breaker(self) -> Breaker:
+        """The run's breaker (only with a run directory)."""
+        if self._breaker is None:
+            raise RuntimeError("this session has no run directory, hence no breaker")
+        return self._breaker
+
+    @property
+    def daemon(self) -> Daemon:
+        """The run's daemon (only with a run directory)."""
+        if self._daemon is None:
+            raise RuntimeError("this session has no run directory, hence no daemon")
+        return self._daemon
+
+    # ----- life cycle ------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Claim the run directory (raises :class:`~sandbox.daemon.RunDirBusy` if another
+        guard serves it) and write the first ledger."""
+        if self._daemon is not None:
+            self._daemon.prepare()
+        self._prepared = True
+
+    def close(self) -> None:
+        """Close the filesystem's descriptors; remove the sockets and write the last ledger
+        (only if :meth:`prepare` claimed the run directory: never another guard's)."""
+        self.fs.close()
+        if self._daemon is not None and self._prepared:
+            self._daemon.cleanup()
+        self._prepared = False
+
+    def __enter__(self) -> Session:
+        try:
+            self.prepare()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # ----- what GuardFS asks (guardfs's Decider protocol) ------------------------------
+
+    def decide(self, request: Request, policy: Verdict) -> Verdict:
+        """The breaker's verdict; a trip's effects are carried out before the answer
+        goes back (a terminal trip freezes the agent inside the request that tripped)."""
+        verdict, effects = self.breaker.judge(request, policy)
+        if effects:
+            self.carry_out(effects)
+        return verdict
+
+    def committed(self, request: Request) -> None:
+        """An allowed mutation landed; the breaker may trip on it (a content cycle)."""
+        effects = self.breaker.commit(request)
+        if effects:
+            self.carry_out(effects)
+
+    def state_text(self) -> str:
+        """``.guard/STATE.md`` as of now: bounded, every name escaped (always valid UTF-8)."""
+        return render_state(self.breaker.snapshot())
+
+    # ----- effects ---------------------------------------------------------------------
+
+    def watch(self, listener: Callable[[Effects], None]) -> Callable[[], None]:
+        """Call *listener* with every set of effects, synchronously, from inside the request
+        or message that decided them; returns the function that stops it."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)
+
+    def carry_out(self, effects: Effects) -> None:
+        """Do what the breaker decided: checkpoint and rollback here, the rest by the listeners."""
+        if Effect.CHECKPOINT in effects and self.fs.preimages is not None:
+            self.fs.preimages.checkpoint()
+        if Effect.ROLLBACK in effects:
+            if self.fs.preimages is None:
+                log.warning("the breaker asked for a rollback, but this guard keeps no pre-images")
+            else:
+                self.rollback()
+        for listener in list(self._listeners):
+            listener(effects)
+
+    def rollback(self) -> int:
+        """Restore the workspace to the last checkpoint; returns how many paths changed.
+        GuardFS records the one ``rollback`` event. Call from the event loop, outside any
+        request."""
+        return len(self.fs.rollback())
