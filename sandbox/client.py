@@ -21,6 +21,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
+from guardfs.errors import Exit, GuardError
 from sandbox.agents.fasthook import connect_unix
 
 if TYPE_CHECKING:  # trio is imported by the async client only: a hook starts faster without it
@@ -32,12 +33,16 @@ __all__ = [
 ]
 
 
-class GuardClientError(Exception):
+class GuardClientError(GuardError):
     """The guard could not be reached, or refused a request as malformed."""
+
+    exit_code = Exit.DATAERR  # a rejected message; GuardUnreachable says 69
 
 
 class GuardUnreachable(GuardClientError):
     """No guard answers at the socket, or the connection was lost."""
+
+    exit_code = Exit.UNAVAILABLE
 
 
 def agent_socket_path(path: str | os.PathLike[str] | None = None) -> str:

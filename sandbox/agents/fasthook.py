@@ -56,7 +56,9 @@ BLOCK = 2
 
 
 class GuardUnreachable(Exception):
-    """The guard's socket does not answer (or refused the request)."""
+    """The guard gave no usable answer: nothing listens at GUARD_SOCKET, the connection broke,
+    the reply was not a JSON object, or the guard refused the request as malformed. The hook
+    treats each alike: a mutating tool is refused (fail closed), a read-only one goes ahead."""
 
 
 class JsonBoundsError(ValueError):
