@@ -45,20 +45,22 @@ def _stale_socket(run_dir: Path) -> None:
         sock.bind(str(run_dir / "control.sock"))
 
 
+@pytest.mark.parametrize("verb", CONTROL_VERBS)
 @pytest.mark.parametrize("where", ["missing", "empty", "stale-socket"])
-def test_no_guard_at_the_run_dir_is_the_same_error_in_every_control_verb(tmp_path: Path, where: str) -> None:
+def test_no_guard_at_the_run_dir_is_the_same_error_in_every_control_verb(
+    tmp_path: Path, where: str, verb: str,
+) -> None:
     run_dir = tmp_path / "run"
     if where == "empty":
         run_dir.mkdir()
     elif where == "stale-socket":
         _stale_socket(run_dir)
-    for verb in CONTROL_VERBS:
-        proc = guard(verb, "--run-dir", str(run_dir))
-        assert proc.returncode == Exit.UNAVAILABLE, (verb, proc.stderr)
-        assert proc.stderr.startswith(f"guard {verb}: no guard answers in run directory {run_dir} "), proc.stderr
-        assert "give the run directory guard run or guard mount printed" in proc.stderr, proc.stderr
-        assert "Traceback" not in proc.stderr
-        assert not proc.stdout
+    proc = guard(verb, "--run-dir", str(run_dir))
+    assert proc.returncode == Exit.UNAVAILABLE, proc.stderr
+    assert proc.stderr.startswith(f"guard {verb}: no guard answers in run directory {run_dir} "), proc.stderr
+    assert "give the run directory guard run or guard mount printed" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not proc.stdout
 
 
 @pytest.fixture
@@ -94,12 +96,12 @@ def refusing_guard(tmp_path: Path) -> Iterator[Path]:
         assert not thread.is_alive()
 
 
-def test_a_refused_request_is_the_same_error_in_every_control_verb(refusing_guard: Path) -> None:
-    for verb in CONTROL_VERBS:
-        proc = guard(verb, "--run-dir", str(refusing_guard))
-        assert proc.returncode == Exit.DATAERR, (verb, proc.stderr)
-        assert proc.stderr == (f"guard {verb}: the guard in run directory {refusing_guard} refused {verb}: "
-                               "unsupported protocol version\n")
+@pytest.mark.parametrize("verb", CONTROL_VERBS)
+def test_a_refused_request_is_the_same_error_in_every_control_verb(refusing_guard: Path, verb: str) -> None:
+    proc = guard(verb, "--run-dir", str(refusing_guard))
+    assert proc.returncode == Exit.DATAERR, proc.stderr
+    assert proc.stderr == (f"guard {verb}: the guard in run directory {refusing_guard} refused {verb}: "
+                           "unsupported protocol version\n")
 
 
 def test_feed_maps_an_absent_guard_like_the_control_verbs(tmp_path: Path) -> None:

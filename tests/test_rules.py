@@ -57,3 +57,15 @@ def test_feedback_without_forbidden_paths_reads_plainly() -> None:
     text = b.check("Write", ["src/auth/session.ts"]).feedback  # a scope spill
     assert "never touch nothing" not in text
     assert "no path is forbidden beyond the guard's own protections." in text
+
+
+def test_guardfs_never_imports_sandbox() -> None:
+    """The rule table and the error root live in guardfs so that it needs nothing from sandbox."""
+    import subprocess
+    import sys
+
+    code = ("import sys, guardfs.rules, guardfs.errors, guardfs.manifest, guardfs.policy, guardfs.decision, "
+            "guardfs.accounting, guardfs.events, guardfs.checkpoint, guardfs.fs, guardfs.mount; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'sandbox'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
