@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from guardfs.decision import Decider, LimitsDecider, Request, Verdict
-    from guardfs.errors import GuardfsError, ManifestError, MountError
+    from guardfs.errors import GuardError, ManifestError, MountError
     from guardfs.events import EventLog
     from guardfs.manifest import Manifest, load_manifest, parse_manifest
     from guardfs.policy import Classification, PathPolicy, Scope
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # call, imports guardfs.errors without paying for pydantic and pathspec.
 _HOME = {
     "Decider": "decision", "LimitsDecider": "decision", "Request": "decision", "Verdict": "decision",
-    "GuardfsError": "errors", "ManifestError": "errors", "MountError": "errors",
+    "GuardError": "errors", "ManifestError": "errors", "MountError": "errors",
     "EventLog": "events",
     "Manifest": "manifest", "load_manifest": "manifest", "parse_manifest": "manifest",
     "Classification": "policy", "PathPolicy": "policy", "Scope": "policy",
@@ -50,7 +50,7 @@ __all__ = [
     "Classification",
     "Decider",
     "EventLog",
-    "GuardfsError",
+    "GuardError",
     "LimitsDecider",
     "Manifest",
     "ManifestError",

@@ -12,7 +12,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Literal
 
 import pathspec
 from pydantic import (
@@ -26,9 +26,11 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from guardfs.errors import ManifestError
+from guardfs.rules import RULES, Rule, default_recoverable
 
 __all__ = [
-    "RULES", "Breaker", "Limits", "Manifest", "Paths", "Record", "Rule", "Task", "load_manifest", "parse_manifest",
+    "RULES", "BreakerSettings", "Limits", "Manifest", "Paths", "Record", "Rule", "Task", "load_manifest",
+    "parse_manifest",
 ]
 
 # Paths no pattern should match unless it matches nearly everything: a random name at the
@@ -173,32 +175,13 @@ class Limits(_Strict):
     max_steps: Limit = Field(default=None, description="Optional turn budget; unlimited by default.")
 
 
-Rule = Literal[
-    "forbidden_path",
-    "scope_spill",
-    "blast_radius",
-    "oscillation",
-    "token_surge",
-    "token_velocity",
-    "repeated_action",
-    "stagnation",
-    "consecutive_failures",
-    "idle_transport",
-    "step_budget",
-]
-#: The breaker's rules, as named in ``[breaker] recoverable``.
-RULES: tuple[str, ...] = get_args(Rule)
-_RECOVERABLE: tuple[Rule, ...] = (
-    "scope_spill", "blast_radius", "oscillation", "token_surge", "token_velocity",
-    "repeated_action", "stagnation", "consecutive_failures",
-)
+class BreakerSettings(_Strict):
+    """How the circuit breaker recovers from a trip (the ``[breaker]`` section)."""
 
-
-class Breaker(_Strict):
-    """How the circuit breaker recovers from a trip."""
-
-    recoverable: list[Rule] = Field(
-        default_factory=lambda: list(_RECOVERABLE),
+    # strict=False lets the TOML string name its Rule (strict mode wants an instance);
+    # a name not in the enum is still refused, with the list of names.
+    recoverable: list[Annotated[Rule, Field(strict=False)]] = Field(
+        default_factory=default_recoverable,
         description=(
             "Rules whose first trip is recoverable: the offending operation is refused and "
             "the agent gets corrective feedback (HALF_OPEN_REANCHOR); a second violation is "
@@ -357,7 +340,7 @@ class Manifest(_Strict):
     task: Task = Field(description="The task being governed.")
     paths: Paths = Field(default_factory=Paths, description="Scope of reads and writes.")
     limits: Limits = Field(default_factory=Limits, description="Breaker thresholds.")
-    breaker: Breaker = Field(default_factory=Breaker, description="Recovery from trips.")
+    breaker: BreakerSettings = Field(default_factory=BreakerSettings, description="Recovery from trips.")
     sandbox: SandboxSettings = Field(default_factory=SandboxSettings, description="Isolation of guard run.")
     record: Record = Field(default_factory=Record, description="Bounds on the event log, notes and ledger.")
 

@@ -46,6 +46,11 @@ def keepalive(mountpoint: str, interval: float = 0.5) -> Iterator[None]:
         helper.wait()
 
 
+# What to do when libfuse or fusermount3 refuses a mount (their own message says little more).
+_MOUNT_HINT = ("; check that the mountpoint is a directory you may mount on and not already a mount "
+               "(grep fuse /proc/mounts; fusermount3 -u MOUNTPOINT frees it)")
+
+
 def check_fuse_available() -> None:
     """Raise MountError saying what is missing when FUSE cannot work here."""
     if not os.path.exists("/dev/fuse"):
@@ -94,7 +99,7 @@ def fusermount(mountpoint: str, options: set[str]) -> tuple[int, subprocess.Pope
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             return struct.unpack("i", data[: struct.calcsize("i")])[0], proc
     proc.wait()
-    raise MountError(f"fusermount3 could not mount {mountpoint} (exit status {proc.returncode})")
+    raise MountError(f"fusermount3 could not mount {mountpoint} (exit status {proc.returncode}){_MOUNT_HINT}")
 
 
 def init_mount(fs: GuardFS, mountpoint: str, options: set[str]) -> Callable[[], None]:
@@ -108,7 +113,7 @@ def init_mount(fs: GuardFS, mountpoint: str, options: set[str]) -> Callable[[], 
         try:
             pyfuse3.init(fs, mountpoint, options)
         except RuntimeError as err:
-            raise MountError(f"cannot mount at {mountpoint}: {err}") from err
+            raise MountError(f"cannot mount at {mountpoint}: {err}{_MOUNT_HINT}") from err
         return lambda: pyfuse3.close(unmount=True)
     fd, helper = fusermount(mountpoint, options)
     try:
@@ -119,7 +124,7 @@ def init_mount(fs: GuardFS, mountpoint: str, options: set[str]) -> Callable[[], 
     except RuntimeError as err:
         os.close(fd)  # not taken: the session was never set up
         helper.wait(timeout=10)  # auto_unmount: gone with the last descriptor of the device
-        raise MountError(f"cannot serve the mount at {mountpoint}: {err}") from err
+        raise MountError(f"cannot serve the mount at {mountpoint}: {err}{_MOUNT_HINT}") from err
 
     def unmount() -> None:
         pyfuse3.close(unmount=False)  # closes the device, which also tells fusermount3 to unmount
@@ -173,11 +178,11 @@ def serve(
     """
     check_fuse_available()
     if not os.path.isdir(mountpoint):
-        raise MountError(f"mountpoint {mountpoint} is not a directory")
+        raise MountError(f"mountpoint {mountpoint} is not a directory; create it (mkdir) or give an existing one")
     try:
         pyfuse3.init(fs, mountpoint, mount_options() if options is None else options)
     except RuntimeError as err:
-        raise MountError(f"cannot mount at {mountpoint}: {err}") from err
+        raise MountError(f"cannot mount at {mountpoint}: {err}{_MOUNT_HINT}") from err
     try:
         with keepalive(mountpoint):
             trio.run(_serve, fs, handle_signals, on_ready, companions)

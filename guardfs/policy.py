@@ -2,7 +2,7 @@
 
 Matching globs is slow (microseconds per pattern set), so the filesystem classifies each
 path once, when it first meets the inode, and keeps the :class:`Classification` on the
-inode entry; the hot path then only reads ``entry.scope``.
+inode entry (``Entry.where``); the hot path then only reads ``entry.where.scope``.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from guardfs.decision import ALLOW, ERRNO_FORBIDDEN, ERRNO_LIMIT, LimitsDecider,
 from guardfs.events import printable
 from guardfs.manifest import Limits, Manifest
 from guardfs.policy import Classification, PathPolicy, Scope
+from guardfs.rules import RULES, Rule
 
 __all__ = ["NO_EFFECTS", "Breaker", "Effect", "Effects", "Reply", "Rule", "State", "Trip"]
 
@@ -49,37 +50,25 @@ _MAX_FEEDBACK_CHARS = 16_000
 _BENIGN_LOOKUP_ACTORS = frozenset({"git"})
 
 
-class Rule(enum.StrEnum):
-    """The breakers of the design's table, named as in ``[breaker] recoverable``."""
-
-    FORBIDDEN_PATH = "forbidden_path"
-    SCOPE_SPILL = "scope_spill"
-    BLAST_RADIUS = "blast_radius"
-    OSCILLATION = "oscillation"
-    TOKEN_SURGE = "token_surge"
-    TOKEN_VELOCITY = "token_velocity"
-    REPEATED_ACTION = "repeated_action"
-    STAGNATION = "stagnation"
-    CONSECUTIVE_FAILURES = "consecutive_failures"
-    IDLE_TRANSPORT = "idle_transport"
-    STEP_BUDGET = "step_budget"
-
-
 class State(enum.StrEnum):
-    """Breaker states; every OPEN_* state is terminal until approved."""
+    """Breaker states; every OPEN_* state is terminal until approved.
+
+    A rule's trip that is not recovered from leads to ``OPEN_<RULE>`` (``RULES[rule].open_state``);
+    OPEN_STOPPED is an operator's stop.
+    """
 
     CLOSED = "CLOSED"
     HALF_OPEN_REANCHOR = "HALF_OPEN_REANCHOR"
     OPEN_FORBIDDEN_PATH = "OPEN_FORBIDDEN_PATH"
     OPEN_SCOPE_SPILL = "OPEN_SCOPE_SPILL"
-    OPEN_BLAST_RADIUS_EXCEEDED = "OPEN_BLAST_RADIUS_EXCEEDED"
-    OPEN_OSCILLATION_LOOP = "OPEN_OSCILLATION_LOOP"
+    OPEN_BLAST_RADIUS = "OPEN_BLAST_RADIUS"
+    OPEN_OSCILLATION = "OPEN_OSCILLATION"
     OPEN_TOKEN_SURGE = "OPEN_TOKEN_SURGE"
     OPEN_TOKEN_VELOCITY = "OPEN_TOKEN_VELOCITY"
     OPEN_REPEATED_ACTION = "OPEN_REPEATED_ACTION"
     OPEN_STAGNATION = "OPEN_STAGNATION"
     OPEN_CONSECUTIVE_FAILURES = "OPEN_CONSECUTIVE_FAILURES"
-    OPEN_TRANSPORT_IDLE = "OPEN_TRANSPORT_IDLE"
+    OPEN_IDLE_TRANSPORT = "OPEN_IDLE_TRANSPORT"
     OPEN_STEP_BUDGET = "OPEN_STEP_BUDGET"
     OPEN_STOPPED = "OPEN_STOPPED"
 
@@ -89,45 +78,8 @@ class State(enum.StrEnum):
         return self.value.startswith("OPEN_")
 
 
-_OPEN_STATE = {
-    Rule.FORBIDDEN_PATH: State.OPEN_FORBIDDEN_PATH,
-    Rule.SCOPE_SPILL: State.OPEN_SCOPE_SPILL,
-    Rule.BLAST_RADIUS: State.OPEN_BLAST_RADIUS_EXCEEDED,
-    Rule.OSCILLATION: State.OPEN_OSCILLATION_LOOP,
-    Rule.TOKEN_SURGE: State.OPEN_TOKEN_SURGE,
-    Rule.TOKEN_VELOCITY: State.OPEN_TOKEN_VELOCITY,
-    Rule.REPEATED_ACTION: State.OPEN_REPEATED_ACTION,
-    Rule.STAGNATION: State.OPEN_STAGNATION,
-    Rule.CONSECUTIVE_FAILURES: State.OPEN_CONSECUTIVE_FAILURES,
-    Rule.IDLE_TRANSPORT: State.OPEN_TRANSPORT_IDLE,
-    Rule.STEP_BUDGET: State.OPEN_STEP_BUDGET,
-}
-
-# The manifest key behind each rule, for feedback and approve.
-_LIMIT_KEY = {
-    Rule.BLAST_RADIUS: "max_files",
-    Rule.OSCILLATION: "max_rewrites",
-    Rule.TOKEN_SURGE: "max_window_tokens",
-    Rule.TOKEN_VELOCITY: "max_tokens_without_progress",
-    Rule.REPEATED_ACTION: "max_identical_calls",
-    Rule.CONSECUTIVE_FAILURES: "max_consecutive_failures",
-    Rule.STEP_BUDGET: "max_steps",
-}
-
-_WAY_BACK = {
-    Rule.FORBIDDEN_PATH: "Do not read or write that path; the task does not need it.",
-    Rule.SCOPE_SPILL: "Make the change inside the allowed paths, or stop and say why the task needs more.",
-    Rule.BLAST_RADIUS: "Finish with the files already changed; the task should not touch more.",
-    Rule.OSCILLATION: "You are rewriting the same code again. Step back, re-read the goal and the last "
-                      "test output, and choose one approach.",
-    Rule.TOKEN_SURGE: "Stop reading large outputs; narrow the next command (head, grep, a single test).",
-    Rule.TOKEN_VELOCITY: "Many tokens without a file change or a passing test: make one small, tested step.",
-    Rule.REPEATED_ACTION: "You already ran this exact call; its result will not change. Try something else.",
-    Rule.STAGNATION: "The last attempts are nearly identical and keep failing: change approach.",
-    Rule.CONSECUTIVE_FAILURES: "Several commands failed in a row: read the last error before the next step.",
-    Rule.IDLE_TRANSPORT: "No activity for too long.",
-    Rule.STEP_BUDGET: "The turn budget is spent.",
-}
+# Each rule's OPEN state, checked against the table at import (a missing state fails here).
+_OPEN_STATE = {rule: State(spec.open_state) for rule, spec in RULES.items()}
 
 
 class Effect(enum.Enum):
@@ -428,7 +380,7 @@ class Breaker:
         """Resume after a trip; optionally raise the limit that tripped to *raise_to*."""
         last = self.trips[-1] if self.trips else None
         if raise_to is not None:
-            key = _LIMIT_KEY.get(last.rule) if last is not None else None
+            key = RULES[last.rule].limit_key if last is not None else None
             if key is None:
                 return Reply(False, self.state, "approve --raise: the last trip has no numeric limit to raise")
             current = getattr(self.limits, key)
@@ -586,13 +538,14 @@ class Breaker:
                       "another violation halts the run.")
         return "\n".join([
             f"guard: refused: {printable(trip.reason)}",  # a name in it cannot break or forge lines
-            f"Rule: {trip.rule.value}" + (f" (limits.{_LIMIT_KEY[trip.rule]})" if trip.rule in _LIMIT_KEY else ""),
+            f"Rule: {trip.rule.value}" + (f" (limits.{key})" if (key := RULES[trip.rule].limit_key) else ""),
             f"Task {m.task.id}: {m.task.goal}",
             f"Scope: writes only in {', '.join(m.paths.allowed) or 'nowhere (read-only)'}; "
-            f"never touch {', '.join(m.paths.forbidden) or 'nothing forbidden'}.",
+            + (f"never touch {', '.join(m.paths.forbidden)}." if m.paths.forbidden
+               else "no path is forbidden beyond the guard's own protections."),
             f"Used: {files} files, {self._c.tokens_total} tokens ({window} in the last {len(self._c.window)} "
             f"steps), step {self._c.steps}.",
-            f"The way back: {_WAY_BACK[trip.rule]}",
+            f"The way back: {RULES[trip.rule].way_back}",
             status,
             "Read .guard/STATE.md for the full state.",
         ])
@@ -671,6 +624,6 @@ def _bounded(items: Sequence[Any], n: int, name: str, omitted: dict[str, int]) -
 
 
 def _limit_rule(rule: Rule) -> str:
-    key = _LIMIT_KEY.get(rule)
+    key = RULES[rule].limit_key
     return f"limits.{key}" if key else f"breaker.{rule.value}"
 

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from guardfs.errors import ManifestError, MountError
-from sandbox.agents.fasthook import VERSION
+from guardfs.errors import CantCreateError, GuardError, MountError, UnavailableError, UsageError
+from sandbox.agents.fasthook import VERSION, GuardClientError
 from sandbox.agents.registry import AGENTS, FORMATS, detect
 from sandbox.exitcodes import Exit
 
@@ -52,8 +52,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="guard",
         description="Keep an autonomous coding agent inside the scope of its task.",
         epilog=(
-            "exit statuses: 0 ok, 64 bad usage, 65 invalid manifest or rejected message, "
-            "69 FUSE or the guard unavailable, 70 internal error, 75 the run was stopped"
+            "exit statuses, the same for every verb: 0 ok, 64 bad usage, 65 invalid manifest or a "
+            "message the guard rejected, 69 FUSE, isolation or the guard unavailable (no guard "
+            "answers at the run directory), 70 internal error, 73 an output file cannot be written, "
+            "75 the run was stopped"
         ),
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log every denial to stderr")
@@ -218,14 +220,12 @@ def _cmd_mount(args: argparse.Namespace) -> int:
     manifest = _manifest(args.manifest)
     for what, path in (("BACKING", args.backing), ("MOUNTPOINT", args.mountpoint)):
         if not os.path.isdir(path):
-            print(f"guard mount: {what} {path} is not a directory", file=sys.stderr)
-            return Exit.USAGE
+            raise UsageError(f"{what} {path} is not a directory; give an existing directory")
     if os.path.realpath(args.backing) == os.path.realpath(args.mountpoint):
-        print("guard mount: BACKING and MOUNTPOINT must differ", file=sys.stderr)
-        return Exit.USAGE
+        raise UsageError(f"BACKING and MOUNTPOINT are both {args.backing}; mount the workspace at another "
+                         "(empty) directory")
     if args.cache_timeout < 0:
-        print("guard mount: --cache-timeout must be >= 0", file=sys.stderr)
-        return Exit.USAGE
+        raise UsageError(f"--cache-timeout must be >= 0 seconds, not {args.cache_timeout:g}")
     try:
         from guardfs.mount import serve  # needs libfuse
         from sandbox.session import Session
@@ -281,55 +281,44 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        print("guard run: no command given (guard run --manifest M -- CMD ARGS...)", file=sys.stderr)
-        return Exit.USAGE
+        raise UsageError("no command given; put the agent's command after --: guard run --manifest M -- CMD ARGS...")
     from guardfs.manifest import load_manifest
 
     manifest = load_manifest(args.manifest)
     workspace = Path(os.path.realpath(args.workspace or os.getcwd()))
     if not workspace.is_dir():
-        print(f"guard run: workspace {workspace} is not a directory", file=sys.stderr)
-        return Exit.USAGE
+        raise UsageError(f"workspace {workspace} is not a directory; give the workspace with --workspace DIR")
     run_dir = Path(os.path.realpath(args.run_dir)) if args.run_dir else default_run_dir(
         manifest.task.id, SYSTEM_RUNS if args.user is not None else None)
     if run_dir.is_relative_to(workspace) or workspace.is_relative_to(run_dir):
-        print(f"guard run: the run directory {run_dir} must lie outside the workspace {workspace} "
-              "(it holds the control socket)", file=sys.stderr)
-        return Exit.USAGE
+        raise UsageError(f"the run directory {run_dir} must lie outside the workspace {workspace} "
+                         "(it holds the control socket); give another --run-dir")
     if run_dir.exists() and any(run_dir.iterdir()):
-        print(f"guard run: run directory {run_dir} is not empty; give a new one", file=sys.stderr)
-        return Exit.USAGE
+        raise UsageError(f"run directory {run_dir} is not empty; give a new one with --run-dir")
     if args.user is not None:
         import pwd
 
         try:
             pwd.getpwnam(args.user)
         except KeyError:
-            print(f"guard run: no such user {args.user!r}", file=sys.stderr)
-            return Exit.USAGE
+            raise UsageError(f"no such user {args.user!r}; give an existing user to --user") from None
         if os.geteuid() != 0:
-            print("guard run: --user needs the guard to run as root", file=sys.stderr)
-            return Exit.USAGE
+            raise UsageError("--user needs the guard to run as root; run guard as root, or drop --user")
     options = RunOptions(manifest, workspace, run_dir, command, Path(os.path.realpath(os.getcwd())),
                          ci=args.ci, isolation=not args.no_isolation, cache_timeout=args.cache_timeout,
                          xattrs=args.xattrs, user=args.user, agent=args.agent or _detect(command))
     try:
         return run(options)
     except IsolationUnavailable as err:
-        print(f"guard run: isolation is impossible here: {err}. Refusing to start the agent; "
-              "--no-isolation runs it unsandboxed (dangerous).", file=sys.stderr)
-        return Exit.UNAVAILABLE
+        raise IsolationUnavailable(f"isolation is impossible here: {err}. Refusing to start the agent; "
+                                   "--no-isolation runs it unsandboxed (dangerous).") from err
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from sandbox.report import ReportError, load_run, render_html
+    from sandbox.report import load_run, render_html
 
     run_dir = Path(args.run_dir)
-    try:
-        page = render_html(load_run(run_dir))
-    except ReportError as err:
-        print(f"guard report: {err}", file=sys.stderr)
-        return Exit.USAGE
+    page = render_html(load_run(run_dir))  # ReportError: a usage error naming the file
     if args.html == "-":
         sys.stdout.write(page)
         return Exit.OK
@@ -337,21 +326,29 @@ def _cmd_report(args: argparse.Namespace) -> int:
     try:
         out.write_text(page, encoding="utf-8")
     except OSError as err:
-        print(f"guard report: cannot write {out}: {err.strerror or err}", file=sys.stderr)
-        return Exit.CANTCREAT
+        raise CantCreateError(f"cannot write {out}: {err.strerror or err}; give a writable path with "
+                              "--html FILE, or - for stdout") from err
     print(out)
     return Exit.OK
 
 
-def _cmd_rollback_offline(run_dir: Path) -> int:
+def _cmd_rollback_offline(run_dir: Path, unreachable: Exception) -> int:
+    """Roll back the workspace of a run whose guard has ended (*unreachable* says why no guard answered)."""
     from guardfs.checkpoint import rollback_offline
 
     marker = run_dir / "workspace"
     if not marker.exists() or not (run_dir / "checkpoint").is_dir():
-        print(f"guard rollback: {run_dir} is not the run directory of a guard run", file=sys.stderr)
-        return Exit.USAGE
+        raise _no_guard(run_dir, unreachable, "nor does it hold a finished guard run to roll back")
     rollback_offline(marker.read_text().strip(), run_dir / "checkpoint")
     return _say_rolled_back(run_dir)
+
+
+def _no_guard(run_dir: Path, err: Exception, more: str = "") -> UnavailableError:
+    """The error every control verb gives when no guard answers in *run_dir*."""
+    return UnavailableError(
+        f"no guard answers in run directory {run_dir} ({err}){', ' + more if more else ''}; give the "
+        "run directory guard run or guard mount printed, and check that guard is still running"
+    )
 
 
 def _say_rolled_back(run_dir: Path) -> int:
@@ -374,57 +371,50 @@ def _cmd_control(args: argparse.Namespace) -> int:
     from sandbox.client import GuardClient, GuardClientError, GuardUnreachable, control_socket_path
     from sandbox.ledger import render_state
 
-    if args.verb == "rollback":
-        try:
-            with GuardClient(control_socket_path(args.run_dir)) as guard:
-                reply = guard.request({"type": "rollback"})
-        except GuardUnreachable:
-            return _cmd_rollback_offline(Path(args.run_dir))  # the run is over
-        except GuardClientError as err:
-            print(f"guard rollback: {err}", file=sys.stderr)
-            return Exit.USAGE
-        return _say_rolled_back(Path(args.run_dir))
+    run_dir = Path(args.run_dir)
     try:
-        with GuardClient(control_socket_path(args.run_dir)) as guard:
+        with GuardClient(control_socket_path(run_dir)) as guard:
             if args.verb == "status":
                 reply = guard.status()
             elif args.verb == "approve":
                 reply = guard.approve(args.raise_to)
             elif args.verb == "stop":
                 reply = guard.stop()
-            else:
+            elif args.verb == "checkpoint":
                 reply = guard.checkpoint(args.label)
-    except GuardClientError as err:
-        print(f"guard {args.verb}: {err}", file=sys.stderr)
-        return Exit.UNAVAILABLE
+            else:
+                reply = guard.request({"type": "rollback"})
+    except GuardUnreachable as err:
+        if args.verb == "rollback":
+            return _cmd_rollback_offline(run_dir, err)  # the run is over
+        raise _no_guard(run_dir, err) from err
+    except GuardClientError as err:  # the guard answered, and refused the request
+        raise type(err)(f"the guard in run directory {run_dir} refused {args.verb}: {err}") from err
+    if args.verb == "rollback":
+        return _say_rolled_back(run_dir)
     if args.verb == "status":
         print(json.dumps(reply["ledger"], indent=2) if args.json else render_state(reply["ledger"]), end="")
         return Exit.OK
     print(f"state: {reply['state']}")
     if not reply.get("allow", True) and args.verb == "approve":
-        print(f"guard approve: {reply.get('feedback', 'refused')}", file=sys.stderr)
-        return Exit.USAGE
+        raise UsageError(reply.get("feedback", "refused"))
     return Exit.OK
 
 
 def _feed_parsed(args: argparse.Namespace) -> int:
     from sandbox.agents import to_messages
     from sandbox.agents.parsers import make_parser
-    from sandbox.client import GuardClient, GuardUnreachable
+    from sandbox.client import GuardClient
 
     parser = make_parser(args.format)
-    try:
-        with GuardClient(args.socket) as guard:
-            for line in sys.stdin.buffer:
-                for event in parser.feed(line):
-                    for message in to_messages(event):
-                        print(json.dumps(guard.request(message)), flush=True)
-            for event in parser.finish():
+    with GuardClient(args.socket) as guard:  # GuardUnreachable: 69, a rejected message: 65
+        for line in sys.stdin.buffer:
+            for event in parser.feed(line):
                 for message in to_messages(event):
                     print(json.dumps(guard.request(message)), flush=True)
-    except GuardUnreachable as err:
-        print(f"guard feed: {err}", file=sys.stderr)
-        return Exit.UNAVAILABLE
+        for event in parser.finish():
+            for message in to_messages(event):
+                print(json.dumps(guard.request(message)), flush=True)
     return Exit.OK
 
 
@@ -434,25 +424,21 @@ def _cmd_feed(args: argparse.Namespace) -> int:
     rejected = False
     if args.format != "protocol":
         return _feed_parsed(args)
-    try:
-        with GuardClient(args.socket) as guard:
-            for line in sys.stdin:
-                if not line.strip():
-                    continue
-                try:
-                    message = json.loads(line)
-                    if not isinstance(message, dict):
-                        raise ValueError("a message must be a JSON object")
-                    reply = guard.request(message)
-                except GuardUnreachable:
-                    raise
-                except (ValueError, GuardClientError) as err:
-                    rejected = True
-                    reply = {"v": VERSION, "ok": False, "error": str(err)}
-                print(json.dumps(reply), flush=True)
-    except GuardClientError as err:
-        print(f"guard feed: {err}", file=sys.stderr)
-        return Exit.UNAVAILABLE
+    with GuardClient(args.socket) as guard:  # GuardUnreachable ends the feed: 69
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            try:
+                message = json.loads(line)
+                if not isinstance(message, dict):
+                    raise ValueError("a message must be a JSON object")
+                reply = guard.request(message)
+            except GuardUnreachable:
+                raise
+            except (ValueError, GuardClientError) as err:  # one bad message: say so, go on
+                rejected = True
+                reply = {"v": VERSION, "ok": False, "error": str(err)}
+            print(json.dumps(reply), flush=True)
     return Exit.DATAERR if rejected else Exit.OK
 
 
@@ -479,8 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             command = args.command[1:] if args.command[:1] == ["--"] else args.command
             if not command:
-                print("guard exec: no command given (guard exec -- CMD ARGS...)", file=sys.stderr)
-                return Exit.USAGE
+                raise UsageError("no command given; put it after --: guard exec -- CMD ARGS...")
             return run_exec(command, live=args.live)
         if args.verb == "feed":
             return _cmd_feed(args)
@@ -491,14 +476,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_hook(args.agent, sys.stdin.buffer.read())
         return _cmd_mount(args)
-    except ManifestError as err:
-        print(f"guard: {err}", file=sys.stderr)
-        return Exit.DATAERR
-    except MountError as err:
-        print(f"guard: {err}", file=sys.stderr)
-        return Exit.UNAVAILABLE
+    except (GuardError, GuardClientError) as err:  # the one place an error becomes a status, for every verb
+        print(f"guard {args.verb}: {err}", file=sys.stderr)
+        return int(err.exit_code)
     except Exception:
-        log.exception("internal error")
+        log.exception("internal error (a bug in guard: please report it with this traceback)")
         return Exit.SOFTWARE
 
 

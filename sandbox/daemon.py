@@ -34,6 +34,7 @@ from typing import Any
 
 import trio
 
+from guardfs.errors import UsageError
 from guardfs.events import EventLog, json_safe
 from sandbox.agents.fasthook import GuardUnreachable, HookPayloadError, decide, refuse_malformed
 from sandbox.breaker import Breaker, Effect, Effects, Reply
@@ -85,7 +86,7 @@ LEDGER_COST_FACTOR = 4.0
 TICK_INTERVAL_S = 1.0
 
 
-class RunDirBusy(Exception):
+class RunDirBusy(UsageError):
     """Another guard is serving this run directory."""
 
 

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from guardfs.errors import UnavailableError
 from sandbox.landlock import LandlockUnavailable, abi_version
 
 __all__ = [
@@ -38,7 +39,7 @@ _MS_SLAVE = 1 << 19
 _MNT_DETACH = 2
 
 
-class IsolationUnavailable(Exception):
+class IsolationUnavailable(UnavailableError):
     """What is missing for isolation, in words a user can act on."""
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from guardfs.errors import UsageError
+
 __all__ = [
     "ANNOTATION_LIMIT", "ReportError", "RunRecord", "github_annotations", "github_step_summary", "load_run",
     "render_html", "write_github",
@@ -31,7 +33,7 @@ ANNOTATION_LIMIT = 10
 ROW_LIMIT = 2000
 
 
-class ReportError(Exception):
+class ReportError(UsageError):
     """The run directory cannot be reported on (missing or unreadable files)."""
 
 

@@ -162,7 +162,7 @@ CASES = [
     Case("consecutive_failures", State.HALF_OPEN_REANCHOR,
          lambda b, c: _failures(b, [1, 1, 1]),
          lambda b, c: _failures(b, [1, 1, 0, 1, 1])),
-    Case("idle_transport", State.OPEN_TRANSPORT_IDLE,
+    Case("idle_transport", State.OPEN_IDLE_TRANSPORT,
          lambda b, c: _idle(b, c, 301),
          lambda b, c: _idle(b, c, 300)),
     Case("step_budget", State.OPEN_STEP_BUDGET,
@@ -232,7 +232,7 @@ def test_approve_can_raise_the_limit_that_tripped() -> None:
     write(b, "src/checkout/a.py")
     write(b, "src/checkout/b.py")
     write(b, "src/checkout/c.py")
-    assert state_of(b) is State.OPEN_BLAST_RADIUS_EXCEEDED
+    assert state_of(b) is State.OPEN_BLAST_RADIUS
     assert not b.approve(raise_to=2).allow  # not higher than the current limit
     assert b.approve(raise_to=4).state is State.CLOSED
     assert b.limits.max_files == 4

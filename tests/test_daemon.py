@@ -175,7 +175,7 @@ async def test_idle_transport_trips_on_fake_time(tmp_path: Path, autojump_clock:
             await trio.sleep(59)
             assert state_of(d.breaker) is State.CLOSED
             await trio.sleep(3)
-            assert state_of(d.breaker) is State.OPEN_TRANSPORT_IDLE
+            assert state_of(d.breaker) is State.OPEN_IDLE_TRANSPORT
             status = await guard.status()
             assert status["ledger"]["trips"][0]["rule"] == "idle_transport"
 

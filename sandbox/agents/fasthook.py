@@ -71,12 +71,19 @@ _PATCH_FILE = re.compile(r"^\*\*\* (?:Add|Update|Delete) File: (.+)$", re.MULTIL
 
 
 class GuardClientError(Exception):
-    """The guard could not be reached, or refused a request as malformed."""
+    """The guard could not be reached, or refused a request as malformed. (Defined here, not
+    under guardfs.errors.GuardError, because the hook runs as a bare script with the standard
+    library only; ``exit_code`` follows the same convention, and guard's CLI maps both.)"""
+
+    exit_code = 65  # a rejected message (EX_DATAERR); GuardUnreachable says 69
 
 
 class GuardUnreachable(GuardClientError):
-    """No guard answers at the socket, the connection was lost, or (for the hook) the guard
-    refused the request."""
+    """The guard gave no usable answer: nothing listens at GUARD_SOCKET, the connection broke,
+    the reply was not a JSON object, or the guard refused the request as malformed. The hook
+    treats each alike: a mutating tool is refused (fail closed), a read-only one goes ahead."""
+
+    exit_code = 69  # EX_UNAVAILABLE
 
 
 def _block(agent: str | None) -> int:
