@@ -217,3 +217,10 @@ def require(tool: str) -> str:
     if path is None:
         pytest.skip(f"{tool} is not installed")
     return path
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Skip, with the reason, `mount` tests where FUSE cannot be used and `root` tests when not root."""
+    from .machine import skip_what_this_machine_cannot_run
+
+    skip_what_this_machine_cannot_run(items)
