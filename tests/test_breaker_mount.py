@@ -19,6 +19,9 @@ from sandbox.ledger import render_state
 from .conftest import guarded_mount
 from .helpers import FIX_TAX, state_of, wait_for
 
+pytestmark = pytest.mark.mount
+
+
 MANIFEST = FIX_TAX + "[limits]\nmax_window_tokens = 30000\n"
 
 

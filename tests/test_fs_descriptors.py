@@ -22,6 +22,9 @@ from .helpers import wait_for
 # in a thread) has the same descriptor limit and holds the guard's side of each open.
 HOLDER = """
 import os, sys
+pytestmark = pytest.mark.mount
+
+
 fds = []
 while True:
     try:

@@ -10,7 +10,11 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from .conftest import Guarded, git_env, guarded_mount, require
+
+pytestmark = pytest.mark.mount
 
 
 def run(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:

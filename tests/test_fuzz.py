@@ -27,6 +27,9 @@ from sandbox.breaker import State
 from .conftest import Guarded, guarded_mount
 from .helpers import state_of
 
+pytestmark = pytest.mark.mount
+
+
 MANIFEST = """
 [task]
 id = "fuzz"

@@ -11,6 +11,9 @@ import pytest
 from .conftest import guarded_mount
 from .helpers import snapshot
 
+pytestmark = pytest.mark.mount
+
+
 LIMITED = """
 [task]
 id = "limits"

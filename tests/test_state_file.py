@@ -13,6 +13,8 @@ from sandbox.client import GuardClient
 
 from .conftest import Guarded, git_env, guarded_mount
 
+pytestmark = pytest.mark.mount
+
 
 def test_state_file_is_current_and_read_only(guarded: Guarded, tmp_path: Path) -> None:
     state = guarded.mnt / ".guard/STATE.md"
