@@ -34,6 +34,7 @@ EXPECTED = ["image-build", "podman-guard-demo", "devcontainer-up"] + [
 @pytest.mark.container
 @pytest.mark.root
 @pytest.mark.mount
+@pytest.mark.slow
 def test_image_and_devcontainer() -> None:
     result = subprocess.run(["bash", str(ROOT / "containers/test-image.sh")], capture_output=True, text=True,
                             timeout=1500, stdin=subprocess.DEVNULL)

@@ -289,6 +289,7 @@ def _workspace(tmp_path: Path) -> None:
     (tmp_path / "backing/src/checkout/tax.py").write_text("x = 1\n")
 
 
+@pytest.mark.slow
 def test_fuzz_sockets_and_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                 capsys: pytest.CaptureFixture[str]) -> None:
     _workspace(tmp_path)

@@ -40,6 +40,7 @@ def kernel_forgets(inodes: InodeTable) -> None:
             pyfuse3.invalidate_entry(pyfuse3.InodeT(by_path[parent]), pyfuse3.FileNameT(os.fsencode(name)))
 
 
+@pytest.mark.slow
 def test_100k_lookups_and_forgets_leave_the_table_as_it_started(tmp_path: Path) -> None:
     files = 2000
     rounds = 50  # 100,000 lookups

@@ -68,6 +68,7 @@ def log_has(path: Path, text: str) -> bool:
     return path.exists() and text in path.read_text()
 
 
+@pytest.mark.slow
 def test_an_agent_idle_for_15s_survives_and_its_status_passes_through(tmp_path: Path) -> None:
     ws, manifest = workspace(tmp_path)
     run_dir = tmp_path / "run"
@@ -80,6 +81,7 @@ def test_an_agent_idle_for_15s_survives_and_its_status_passes_through(tmp_path: 
     assert "exit status: 3" in result.stderr
 
 
+@pytest.mark.slow
 def test_long_agent_with_idle_gaps_survives_120s(tmp_path: Path) -> None:
     """LONG (120 s): a session with quiet gaps of 15 to 30 s between in-scope writes."""
     ws, manifest = workspace(tmp_path)
