@@ -177,7 +177,6 @@ def test_kill_9_of_the_guard_fails_closed_and_leaves_nothing(tmp_path: Path) -> 
 
 @pytest.mark.root
 @pytest.mark.mount
-@pytest.mark.slow
 def test_noisy_command_is_recorded_byte_exact_with_a_short_digest(tmp_path: Path) -> None:
     ws, manifest = workspace(tmp_path)
     run_dir = tmp_path / "run"

@@ -17,9 +17,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-pytestmark = pytest.mark.slow  # the module's fixture builds a wheel and a venv (~40 s)
-
-
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A venv with the wheel installed: returns its bin directory."""
