@@ -29,3 +29,10 @@ def _nothing_left_behind() -> Iterator[None]:
 
     children = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
     assert not children, f"processes left behind: {children}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Skip, with the reason, `mount` tests where FUSE cannot be used and `root` tests when not root."""
+    from .machine import skip_what_this_machine_cannot_run
+
+    skip_what_this_machine_cannot_run(items)

@@ -39,6 +39,7 @@ def hook(agent: str, event: dict[str, object], socket: Path, how: str = "python"
      {"input": "*** Begin Patch\n*** Update File: src/auth/jwt.py\n@@\n-a\n+b\n*** End Patch\n"}),
     ("gemini", "BeforeTool", "AfterTool", "write_file", {"file_path": "src/auth/jwt.py", "content": "x"}),
 ])
+@pytest.mark.mount
 def test_hook_blocks_out_of_scope_and_reports_results(
     tmp_path: Path, agent: str, before: str, after: str, tool: str, tool_input: dict[str, object], how: str
 ) -> None:
@@ -71,8 +72,9 @@ FAKE_AGENT = """\
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="runs as root, as CI does")
+@pytest.mark.root
 @pytest.mark.parametrize("agent", ["claude", "codex", "gemini", "aider"])
+@pytest.mark.mount
 def test_guard_run_sets_up_each_agent_without_touching_its_config(tmp_path: Path, agent: str) -> None:
     ws = tmp_path / "ws"
     (ws / "src/checkout").mkdir(parents=True)
@@ -121,6 +123,7 @@ def test_hook_fails_closed_for_writes_when_the_guard_is_down(tmp_path: Path, how
 
 
 @pytest.mark.parametrize("how", ["python", "compiled"])
+@pytest.mark.mount
 def test_hook_feedback_keeps_non_ascii_text(tmp_path: Path, how: str) -> None:
     goal = "Réparer l'arrondi — les coupons restent ≥ 0 🙂"
     manifest = MANIFEST.replace("Fix the tax rounding helper in src/checkout/", goal)

@@ -34,7 +34,7 @@ from sandbox.quarantine import LOG_MAX_BYTES, Recorder, _failing_lines, digest
 
 from .helpers import FIX_TAX, wait_for
 from .mounts import _ServerThread
-from .test_run import UNPRIVILEGED_PYTHON, _copy_installation, needs_root, workspace
+from .test_run import UNPRIVILEGED_PYTHON, _copy_installation, workspace
 
 MiB = 1 << 20
 
@@ -76,7 +76,8 @@ FLOOD = """
 """
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_output_past_the_cap_keeps_head_and_tail_and_the_guard_stays_small(tmp_path: Path) -> None:
     """512 MiB without a newline, under a 1 MiB cap: the log keeps the first and the last
     512 KiB around one marker line, the digest stays short, and the guard's peak RSS stays
@@ -192,8 +193,9 @@ def installation() -> Iterator[str]:
         shutil.rmtree(lib)
 
 
-@needs_root
+@pytest.mark.root
 @pytest.mark.parametrize("user", [None, "nobody"])
+@pytest.mark.mount
 def test_guard_exec_logs_land_in_the_run_directory_capped(tmp_path: Path, user: str | None,
                                                            request: pytest.FixtureRequest) -> None:
     ws, manifest = workspace(tmp_path)
@@ -235,8 +237,6 @@ SPARSE = 2 << 30
 @contextlib.contextmanager
 def checkpointed_mount(root: Path, manifest: str) -> Iterator[tuple[GuardFS, Path, _ServerThread]]:
     """A guarded mount of root/backing that keeps pre-images in root/checkpoint."""
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("/dev/fuse is missing: this test needs a real FUSE mount")
     backing, mnt = root / "backing", root / "mnt"
     mnt.mkdir(exist_ok=True)
     events = EventLog(root / "events.jsonl")
@@ -269,6 +269,7 @@ def _data_extents(path: Path) -> list[tuple[int, int]]:
         os.close(fd)
 
 
+@pytest.mark.mount
 def test_a_huge_file_first_change_does_not_stall_other_requests(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -353,6 +354,7 @@ def _check_sparse_blob(generation: Path) -> None:
     assert index == [{"path": "src/checkout/big.bin", "kind": "file", "mode": 0o644, "blob": blob.name}]
 
 
+@pytest.mark.mount
 def test_a_failed_copy_refuses_the_change_and_the_next_one_tries_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -382,7 +384,8 @@ def test_a_failed_copy_refuses_the_change_and_the_next_one_tries_again(
     assert (backing / "src/checkout/tax.py").read_text() == "A = 1\n"
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_rollback_names_a_file_past_the_checkpoint_cap(tmp_path: Path) -> None:
     """Under checkpoint_max_bytes = 1 MiB a 2 MiB file's first change is recorded as not
     restorable (an event says so); guard rollback restores the rest and names it."""

@@ -85,6 +85,7 @@ def violate(mnt: Path, round_: int, denied: list[str]) -> None:
         denied.append(name)
 
 
+@pytest.mark.mount
 def test_event_rate_cap_drops_the_flood_and_keeps_every_denial(tmp_path: Path) -> None:
     manifest = CHECKOUT_MANIFEST + "[record]\nevents_per_second = 1\nevents_burst = 50\n"
     denied: list[str] = []
@@ -103,6 +104,7 @@ def test_event_rate_cap_drops_the_flood_and_keeps_every_denial(tmp_path: Path) -
     assert caps == {"events_per_second": 1.0}
 
 
+@pytest.mark.mount
 def test_event_size_cap_stops_the_file_growing_but_not_denials(tmp_path: Path) -> None:
     cap = 8192
     manifest = CHECKOUT_MANIFEST + f"[record]\nevents_max_bytes = {cap}\n"
@@ -160,6 +162,7 @@ def test_name_escapes_are_lossless_and_visible() -> None:
     assert escape_name("a\\b") == "a\\\\b"
 
 
+@pytest.mark.mount
 def test_notes_and_ledger_bounded_and_the_final_state_written(tmp_path: Path) -> None:
     manifest = CHECKOUT_MANIFEST + (
         "[record]\nmax_notes = 20\nmax_note_chars = 100\nledger_max_items = 10\nledger_min_interval_s = 60\n"
@@ -202,7 +205,6 @@ def test_record_settings_are_validated() -> None:
         assert key in str(info.value), (bad, str(info.value))
 
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="runs as root, as CI does")
 
 ODD_NAMES = """
     import json, os, sys
@@ -232,7 +234,8 @@ ODD_NAMES = """
 """
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_guard_run_with_odd_names_and_a_forging_note(tmp_path: Path) -> None:
     ws = tmp_path / "ws"
     (ws / "src/checkout").mkdir(parents=True)

@@ -28,7 +28,7 @@ from sandbox.protocol import MAX_LINE
 
 from .helpers import state_of
 from .test_daemon import good_client_works, raw, running_daemon
-from .test_run import needs_root, workspace
+from .test_run import workspace
 
 #: The exact inputs from issue 10 that each ended a run with a traceback, and what the reply names;
 #: these are refused before the message type is known, so on either socket.
@@ -333,7 +333,8 @@ CRASHES_FROM_INSIDE = """
 """
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_crash_inputs_from_inside_a_real_guard_run(tmp_path: Path) -> None:
     ws, manifest = workspace(tmp_path)
     manifest.write_text(manifest.read_text() + "\n[limits]\nmax_window_tokens = 30000\n")

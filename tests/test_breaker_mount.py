@@ -19,6 +19,9 @@ from sandbox.ledger import render_state
 from .helpers import FIX_TAX, state_of, wait_for
 from .mounts import guarded_mount
 
+pytestmark = pytest.mark.mount
+
+
 MANIFEST = FIX_TAX + "[limits]\nmax_window_tokens = 30000\n"
 
 

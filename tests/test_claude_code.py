@@ -64,7 +64,8 @@ def run_claude(claude: Path, ws: Path, home: Path, manifest: Path, run_dir: Path
     )
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="runs as root, as CI does")
+@pytest.mark.root
+@pytest.mark.mount
 def test_claude_code_in_scope_write_blocked_write_and_refused_shell(tmp_path: Path, claude_cli: Path) -> None:
     ws, home, manifest = setup(tmp_path)
     run_dir = tmp_path / "run"
@@ -97,7 +98,8 @@ def test_claude_code_in_scope_write_blocked_write_and_refused_shell(tmp_path: Pa
     assert ledger["tokens"]["total"] >= 3 * 1500
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="runs as root, as CI does")
+@pytest.mark.root
+@pytest.mark.mount
 def test_claude_code_token_surge_stops_the_run(tmp_path: Path, claude_cli: Path) -> None:
     ws, home, manifest = setup(tmp_path, '[limits]\nmax_window_tokens = 100000\n[breaker]\nrecoverable = []\n')
     run_dir = tmp_path / "run"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,8 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "bench/cohorts.py"
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="runs as root, as CI does")
+@pytest.mark.root
+@pytest.mark.mount
 def test_eight_trajectories(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(BENCH), "--per-cohort", "2", "--jobs", "2", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="runs as root, as CI does")
 
 #: Every check the script must report, by name: a check that silently went missing fails.
 EXPECTED = ["image-build", "podman-guard-demo", "devcontainer-up"] + [
@@ -33,7 +32,9 @@ EXPECTED = ["image-build", "podman-guard-demo", "devcontainer-up"] + [
 
 
 @pytest.mark.container
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
+@pytest.mark.slow
 def test_image_and_devcontainer() -> None:
     result = subprocess.run(["bash", str(ROOT / "containers/test-image.sh")], capture_output=True, text=True,
                             timeout=1500, stdin=subprocess.DEVNULL)
@@ -48,7 +49,8 @@ def test_image_and_devcontainer() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_user_run_without_run_dir_goes_where_the_agent_can_reach(tmp_path: Path) -> None:
     """guard run --user, no --run-dir: the run directory is not under root's home, which
     the agent's bubblewrap cannot traverse to hide it (it failed: 'Can't mkdir parents')."""

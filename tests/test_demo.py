@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.mount
 def test_demo_passes_and_leaves_no_mount() -> None:
     proc = subprocess.run([sys.executable, "-m", "sandbox", "demo"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

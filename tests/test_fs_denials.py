@@ -14,6 +14,9 @@ import pytest
 from .helpers import snapshot
 from .mounts import Guarded, guarded_mount
 
+pytestmark = pytest.mark.mount
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2

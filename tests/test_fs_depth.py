@@ -13,6 +13,9 @@ from guardfs.checkpoint import PreImages, rollback_offline
 
 from .mounts import Guarded, guarded_mount
 
+pytestmark = pytest.mark.mount
+
+
 DEPTH = 1200
 
 

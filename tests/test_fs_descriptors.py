@@ -17,6 +17,8 @@ from guardfs.fs import FD_RESERVE
 from .helpers import wait_for
 from .mounts import guarded_mount
 
+pytestmark = pytest.mark.mount
+
 # Opens one file through the mount until refused, says how many and why, then holds them
 # all until its stdin closes. A child of its own: the test process (which serves the mount
 # in a thread) has the same descriptor limit and holds the guard's side of each open.

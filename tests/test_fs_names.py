@@ -7,9 +7,14 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from guardfs.events import escape_name, unescape
 
 from .mounts import guarded_mount
+
+pytestmark = pytest.mark.mount
+
 
 NAME = b"src/checkout/\xff"
 PATH = os.fsdecode(NAME)  # "src/checkout/\udcff": the byte kept as a lone surrogate

@@ -17,6 +17,9 @@ import pytest
 from .helpers import snapshot
 from .mounts import Guarded, guarded_mount
 
+pytestmark = pytest.mark.mount
+
+
 MANIFEST = (Path(__file__).parent.parent / "manifests/checkout-bugfix.toml").read_text(encoding="utf-8")
 TAX = "src/checkout/tax.py"
 A = "def total(x):\n    return x\n"

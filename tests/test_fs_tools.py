@@ -10,8 +10,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from .helpers import git_env, require
 from .mounts import Guarded, guarded_mount
+
+pytestmark = pytest.mark.mount
 
 
 def run(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:

@@ -27,6 +27,9 @@ from sandbox.breaker import State
 from .helpers import state_of
 from .mounts import Guarded, guarded_mount
 
+pytestmark = pytest.mark.mount
+
+
 MANIFEST = """
 [task]
 id = "fuzz"
@@ -286,6 +289,7 @@ def _workspace(tmp_path: Path) -> None:
     (tmp_path / "backing/src/checkout/tax.py").write_text("x = 1\n")
 
 
+@pytest.mark.slow
 def test_fuzz_sockets_and_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                 capsys: pytest.CaptureFixture[str]) -> None:
     _workspace(tmp_path)

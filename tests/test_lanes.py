@@ -19,7 +19,7 @@ from sandbox.lanes import LaneStage, plan_lanes
 from sandbox.run import RunOptions, _fast_lanes
 
 from .helpers import snapshot
-from .test_run import guard_run, needs_root
+from .test_run import guard_run
 
 LANES = """
 [task]
@@ -117,7 +117,8 @@ AGENT = """
 """
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_guard_run_reads_lanes_natively_and_keeps_them_read_only(tmp_path: Path) -> None:
     ws = tree(tmp_path / "ws")
     manifest = tmp_path / "lanes.toml"
@@ -155,7 +156,8 @@ def test_guard_run_reads_lanes_natively_and_keeps_them_read_only(tmp_path: Path)
     assert not (tmp_path / "run/mask-file").exists()
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_without_lanes_the_same_reads_cross_fuse(tmp_path: Path) -> None:
     ws = tree(tmp_path / "ws")
     manifest = tmp_path / "plain.toml"
@@ -168,6 +170,7 @@ def test_without_lanes_the_same_reads_cross_fuse(tmp_path: Path) -> None:
     assert "fast lanes" not in run.stderr
 
 
+@pytest.mark.mount
 def test_lanes_need_the_sandbox(tmp_path: Path) -> None:
     ws = tree(tmp_path / "ws")
     manifest = tmp_path / "lanes.toml"
@@ -178,7 +181,8 @@ def test_lanes_need_the_sandbox(tmp_path: Path) -> None:
     assert os.path.exists(ws / "docs/.env.docs")  # planning touches nothing
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_lanes_for_an_agent_of_another_user(tmp_path: Path) -> None:
     """--user (the devcontainer case): the lanes are staged by the guard, since the agent's
     user cannot traverse the path to the real workspace (a root-only pytest directory)."""

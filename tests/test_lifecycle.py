@@ -20,7 +20,7 @@ import pytest
 
 from .helpers import FIX_TAX, wait_for
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="runs as root, as CI does")
+pytestmark = [pytest.mark.mount, pytest.mark.root]
 
 
 def workspace(tmp_path: Path) -> tuple[Path, Path]:
@@ -68,7 +68,7 @@ def log_has(path: Path, text: str) -> bool:
     return path.exists() and text in path.read_text()
 
 
-@needs_root
+@pytest.mark.slow
 def test_an_agent_idle_for_15s_survives_and_its_status_passes_through(tmp_path: Path) -> None:
     ws, manifest = workspace(tmp_path)
     run_dir = tmp_path / "run"
@@ -81,7 +81,7 @@ def test_an_agent_idle_for_15s_survives_and_its_status_passes_through(tmp_path: 
     assert "exit status: 3" in result.stderr
 
 
-@needs_root
+@pytest.mark.slow
 def test_long_agent_with_idle_gaps_survives_120s(tmp_path: Path) -> None:
     """LONG (120 s): a session with quiet gaps of 15 to 30 s between in-scope writes."""
     ws, manifest = workspace(tmp_path)
@@ -105,7 +105,6 @@ def test_long_agent_with_idle_gaps_survives_120s(tmp_path: Path) -> None:
     assert (run_dir / "stdout.log").read_text().splitlines() == [f"edit {i}" for i in range(5)]
 
 
-@needs_root
 def test_sigkill_of_the_guard_ends_an_idle_agent_within_2s_and_leaves_no_mount(tmp_path: Path) -> None:
     ws, manifest = workspace(tmp_path)
     run_dir = tmp_path / "run"
@@ -134,7 +133,6 @@ def test_sigkill_of_the_guard_ends_an_idle_agent_within_2s_and_leaves_no_mount(t
     assert str(tmp_path) not in host_mounts()
 
 
-@needs_root
 def test_a_host_unmount_during_a_run_reaches_the_run(tmp_path: Path) -> None:
     """A mount of the host unmounted while a run is active is gone from the run's namespace
     (the guard's and the agent's), and nothing the run mounts shows on the host."""
@@ -226,7 +224,6 @@ TRIGGERS = {
 }
 
 
-@needs_root
 @pytest.mark.parametrize("where", sorted(FAULTS))
 def test_a_defect_of_the_guard_is_recorded_and_stops_the_agent(tmp_path: Path, where: str) -> None:
     ws, manifest = workspace(tmp_path)

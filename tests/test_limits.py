@@ -11,6 +11,9 @@ import pytest
 from .helpers import snapshot
 from .mounts import guarded_mount
 
+pytestmark = pytest.mark.mount
+
+
 LIMITED = """
 [task]
 id = "limits"

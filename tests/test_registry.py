@@ -38,6 +38,7 @@ def test_every_operation_is_implemented_or_listed_unsupported() -> None:
     assert all(isinstance(e, int) and e in errno.errorcode for e in UNSUPPORTED.values())
 
 
+@pytest.mark.mount
 def test_every_implemented_operation_runs_through_the_mount(tmp_path: Path) -> None:
     """One workload that makes the kernel send every implemented request at least once.
 
@@ -85,6 +86,7 @@ def test_every_implemented_operation_runs_through_the_mount(tmp_path: Path) -> N
     assert not missing, f"implemented but never exercised through the mount: {missing}"
 
 
+@pytest.mark.mount
 def test_without_xattrs_the_kernel_stops_asking(tmp_path: Path) -> None:
     """The default of guard mount and guard run: one ENOSYS answer per xattr request type,
     then the kernel answers EOPNOTSUPP itself (also its security.capability lookup before

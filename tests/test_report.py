@@ -14,7 +14,7 @@ import pytest
 
 from sandbox.report import ANNOTATION_LIMIT, github_annotations, load_run
 
-from .test_run import guard_run, needs_root, workspace
+from .test_run import guard_run, workspace
 
 # An agent that reports steps with tokens, writes in scope, reads .env (refused, recoverable),
 # goes back to work, then writes out of scope twice: the second violation stops the run.
@@ -54,7 +54,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.Comp
     return run_dir, proc, summary
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_github_annotations_and_step_summary(run: tuple[Path, subprocess.CompletedProcess[str], Path]) -> None:
     run_dir, proc, summary = run
     assert proc.returncode == 75, proc.stdout + proc.stderr
@@ -92,7 +93,8 @@ def test_annotations_past_the_limit_are_summarised(tmp_path: Path) -> None:
     assert lines[-1].startswith(f"::error title=guard::{25 - ANNOTATION_LIMIT + 1} more trip(s) and denial(s)")
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_report_html_in_headless_chromium(run: tuple[Path, subprocess.CompletedProcess[str], Path],
                                           tmp_path: Path) -> None:
     run_dir, _proc, _summary = run

@@ -22,8 +22,6 @@ import pytest
 from .helpers import FIX_TAX as MANIFEST
 from .helpers import snapshot, wait_for
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="runs as root, as CI does")
-
 
 def workspace(tmp_path: Path) -> tuple[Path, Path]:
     """A small repository and a manifest for it."""
@@ -90,7 +88,8 @@ ESCAPES = """
 """
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_escape_attempts_leave_workspace_and_host_untouched(tmp_path: Path) -> None:
     ws, manifest = workspace(tmp_path)
     run_dir = tmp_path / "run"
@@ -140,7 +139,8 @@ def test_escape_attempts_leave_workspace_and_host_untouched(tmp_path: Path) -> N
     assert len(out) <= 1200
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_kill_9_of_the_guard_fails_closed_and_leaves_nothing(tmp_path: Path) -> None:
     ws, manifest = workspace(tmp_path)
     run_dir = tmp_path / "run"
@@ -175,7 +175,8 @@ def test_kill_9_of_the_guard_fails_closed_and_leaves_nothing(tmp_path: Path) -> 
     assert created >= {f"src/checkout/{n}" for n in written[:-1]}  # everything up to the kill
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_noisy_command_is_recorded_byte_exact_with_a_short_digest(tmp_path: Path) -> None:
     ws, manifest = workspace(tmp_path)
     run_dir = tmp_path / "run"
@@ -203,7 +204,8 @@ def test_noisy_command_is_recorded_byte_exact_with_a_short_digest(tmp_path: Path
     assert "line 5 of the flood" not in result.stdout
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_interactive_program_works_through_a_pty(tmp_path: Path) -> None:
     ws, manifest = workspace(tmp_path)
     run_dir = tmp_path / "run"
@@ -222,7 +224,8 @@ def test_interactive_program_works_through_a_pty(tmp_path: Path) -> None:
     assert "hello, agent" in (run_dir / "stdout.log").read_text()
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount  # guard run checks /dev/fuse before bubblewrap
 def test_usage_errors_and_missing_isolation(tmp_path: Path) -> None:
     ws, manifest = workspace(tmp_path)
     base = [sys.executable, "-m", "sandbox", "run", "--manifest", str(manifest)]
@@ -241,7 +244,8 @@ def test_usage_errors_and_missing_isolation(tmp_path: Path) -> None:
     assert proc.returncode == 69 and "bubblewrap is not installed" in proc.stderr
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_agent_status_env_and_cwd(tmp_path: Path) -> None:
     ws, manifest = workspace(tmp_path)
     run_dir = tmp_path / "run"
@@ -271,7 +275,8 @@ def test_agent_status_env_and_cwd(tmp_path: Path) -> None:
     assert ledger["tokens"]["total"] == 1334
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_rollback_after_create_modify_delete_rename(tmp_path: Path) -> None:
     ws, manifest = workspace(tmp_path)
     (ws / "src/checkout/old.py").write_text("OLD = 1\n")
@@ -302,7 +307,8 @@ def test_rollback_after_create_modify_delete_rename(tmp_path: Path) -> None:
     assert {k: (v[0], v[1]) for k, v in after.items()} == strip
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_terminal_trip_freezes_then_rollback_and_approve_resume(tmp_path: Path) -> None:
     ws, manifest = workspace(tmp_path)
     run_dir = tmp_path / "run"
@@ -352,7 +358,8 @@ def test_terminal_trip_freezes_then_rollback_and_approve_resume(tmp_path: Path) 
     assert [e["paths"] for e in events if e["op"] == "rollback" and e["path"] == ""] == [1]  # one rollback, one event
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_a_terminal_trip_halts_the_agent_before_its_call_returns(tmp_path: Path) -> None:
     """The tree is frozen inside the request that trips, so the agent cannot run on (here:
     print) between the trip and the guard's stop, however fast it is."""
@@ -373,7 +380,8 @@ def test_a_terminal_trip_halts_the_agent_before_its_call_returns(tmp_path: Path)
     assert "OPEN_FORBIDDEN_PATH" in run.stderr
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_guard_exec_quarantines_a_command_and_reports_it(tmp_path: Path) -> None:
     ws, manifest = workspace(tmp_path)
     run_dir = tmp_path / "run"
@@ -448,12 +456,11 @@ def _fuse_open_to_others() -> Iterator[None]:
         os.chmod("/dev/fuse", mode)
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_unprivileged_guard_run() -> None:
     """The whole of guard run as an unprivileged user (uid 65534): fusermount3, bubblewrap in a
     user namespace, Landlock. The test opens /dev/fuse to users for its duration."""
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("/dev/fuse is missing: this test needs a real FUSE mount")
     base = Path(tempfile.mkdtemp(prefix="guardfs-unpriv-"))  # under /tmp: reachable by the user
     try:
         os.chmod(base, 0o755)  # noqa: S103 - the other user must reach it
@@ -488,7 +495,8 @@ def test_unprivileged_guard_run() -> None:
         shutil.rmtree(base, ignore_errors=True)
 
 
-@needs_root
+@pytest.mark.root
+@pytest.mark.mount
 def test_agent_as_a_non_root_user_under_a_root_guard(tmp_path: Path) -> None:
     """The devcontainer case on the host: the guard is root, the agent runs as uid 65534."""
     ws, manifest = workspace(tmp_path)
@@ -512,8 +520,9 @@ def test_agent_as_a_non_root_user_under_a_root_guard(tmp_path: Path) -> None:
     assert bad.returncode == 64 and "no such user" in bad.stderr
 
 
-@needs_root
+@pytest.mark.root
 @pytest.mark.parametrize("how", ["guard stop", "SIGINT"])
+@pytest.mark.mount
 def test_stop_ends_a_double_forked_tree_that_ignores_sigterm(tmp_path: Path, how: str) -> None:
     ws, manifest = workspace(tmp_path)
     run_dir = tmp_path / "run"

@@ -14,6 +14,8 @@ from sandbox.client import GuardClient
 from .helpers import git_env
 from .mounts import Guarded, guarded_mount
 
+pytestmark = pytest.mark.mount
+
 
 def test_state_file_is_current_and_read_only(guarded: Guarded, tmp_path: Path) -> None:
     state = guarded.mnt / ".guard/STATE.md"

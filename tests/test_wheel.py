@@ -55,6 +55,7 @@ def test_wheel_holds_every_subpackage_and_the_hook_source(installed: Path) -> No
     assert {"sandbox/agents/guard_hook.c", "guardfs/py.typed", "sandbox/py.typed"} <= names
 
 
+@pytest.mark.mount
 def test_guard_demo_from_the_installed_wheel(installed: Path, tmp_path: Path) -> None:
     proc = subprocess.run([str(installed / "guard"), "demo"], capture_output=True, text=True, timeout=300,
                           cwd=tmp_path, env=_outside_checkout(installed, tmp_path))
