@@ -154,7 +154,8 @@ def test_a_fourth_agent_is_one_table_entry_for_the_cli_and_the_hooks(fourth: dic
     assert feed.returncode == 69 and "cannot reach the guard" in feed.stderr, feed.stderr
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="runs as root, as CI does")
+@pytest.mark.root
+@pytest.mark.mount
 def test_a_fourth_agent_is_detected_launched_and_parsed_by_guard_run(fourth: dict[str, str], tmp_path: Path) -> None:
     ws = tmp_path / "ws"
     (ws / "src/checkout").mkdir(parents=True)

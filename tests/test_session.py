@@ -8,6 +8,8 @@ import errno
 import re
 from pathlib import Path
 
+import pytest
+
 from sandbox.client import GuardClient
 
 from .helpers import FIX_TAX
@@ -21,6 +23,7 @@ def rollbacks(g: Guarded) -> list[dict[str, object]]:
     return [e for e in g.events() if e["op"] == "rollback" and e["path"] == ""]
 
 
+@pytest.mark.mount
 def test_one_rollback_one_event(tmp_path: Path) -> None:
     """A rollback the breaker asks for, and one the operator asks for, each write exactly
     one ``rollback`` event, with the number of paths it restored."""
@@ -79,6 +82,7 @@ BUILT_INS = {
 }
 
 
+@pytest.mark.mount
 def test_hook_check_and_mount_agree_on_every_built_in_protection(tmp_path: Path) -> None:
     backing = tmp_path / "backing"
     for d in ("src/checkout", ".git/hooks", ".git/refs/heads"):
@@ -89,6 +93,7 @@ def test_hook_check_and_mount_agree_on_every_built_in_protection(tmp_path: Path)
     assert answers == {path: (want, want) for path, want in BUILT_INS.items()}
 
 
+@pytest.mark.mount
 def test_hook_check_and_mount_agree_on_a_git_config_the_agent_creates(tmp_path: Path) -> None:
     """A repository the agent creates during the run may configure itself: both allow."""
     (tmp_path / "backing/.git/hooks").mkdir(parents=True)
