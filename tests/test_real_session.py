@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
+from .helpers import wait_for
 from .model_server import Turn, scripted_model
 from .test_claude_code import claude_cli, setup
+from .test_lifecycle import host_mounts, processes_with
 
 __all__ = ["claude_cli"]  # the session fixture, re-exported for pytest
 
@@ -32,18 +36,44 @@ CI_GAPS = [15, 0, 0, 20, 0, 0, 30, 0, 15, 0, 0, 25, 0]
 MANUAL_GAPS = [30, 0, 15, 45, 0, 20, 60, 0, 30, 15, 0, 60, 20]
 
 
+def guard_claude(claude: Path, manifest: Path, run_dir: Path, prompt: str = "Fix the rounding helper") -> list[str]:
+    """``guard run --agent claude --ci`` of the real CLI, as a user runs it."""
+    return [sys.executable, "-m", "sandbox", "run", "--agent", "claude", "--ci", "--manifest", str(manifest),
+            "--run-dir", str(run_dir), "--", str(claude), "-p", prompt, "--output-format", "stream-json",
+            "--verbose", "--dangerously-skip-permissions"]
+
+
+def claude_env(home: Path, url: str) -> dict[str, str]:
+    """The CLI's environment: the scripted model, no telemetry, no updates."""
+    return {**os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "sk-test-fake",
+            "IS_SANDBOX": "1", "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_AUTOUPDATER": "1"}
+
+
 def run_claude(claude: Path, ws: Path, home: Path, manifest: Path, run_dir: Path,
                url: str) -> subprocess.CompletedProcess[str]:
-    """``guard run --agent claude --ci`` of the real CLI, as a user runs it, bounded at 15 minutes."""
-    env = {**os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "sk-test-fake",
-           "IS_SANDBOX": "1", "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-           "DISABLE_AUTOUPDATER": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "sandbox", "run", "--agent", "claude", "--ci", "--manifest", str(manifest),
-         "--run-dir", str(run_dir), "--", str(claude), "-p", "Fix the rounding helper", "--output-format",
-         "stream-json", "--verbose", "--dangerously-skip-permissions"],
-        cwd=ws, env=env, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL,
-    )
+    """The session, bounded at 15 minutes."""
+    return subprocess.run(guard_claude(claude, manifest, run_dir), cwd=ws, env=claude_env(home, url),
+                          capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+
+
+def alive(p: psutil.Process) -> bool:
+    """Whether *p* still runs (a zombie waiting for its reaper does not)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def running_tool(guard: int) -> bool:
+    """Whether the scripted Bash tool (``python3 -c ...``) runs below *guard*."""
+    for p in psutil.Process(guard).children(recursive=True):
+        try:
+            if p.cmdline()[1:] == ["-c", "import time; time.sleep(600)"]:  # argv[0]: from Claude's PATH
+                return True
+        except psutil.Error:  # gone, or a zombie, meanwhile
+            pass
+    return False
 
 
 def gaps() -> list[float]:
@@ -112,3 +142,35 @@ def test_claude_code_session_of_minutes_with_quiet_gaps(tmp_path: Path, claude_c
     assert [t["rule"] for t in ledger["trips"]] == ["scope_spill"], ledger["trips"]
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert not [e for e in events if e.get("decision") == "deny" and e.get("path", "").startswith("src/checkout")]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs as root, as CI does")
+def test_sigkill_of_the_guard_ends_a_real_claude_session_within_2s(tmp_path: Path, claude_cli: Path) -> None:
+    """Past a quiet gap of 12 s, while Claude Code runs a Bash tool: SIGKILL of the guard
+    ends the CLI, its node children and the tool within 2 s, and leaves no mount."""
+    ws, home, manifest = setup(tmp_path)
+    run_dir = tmp_path / "run"
+    marker = f"guardfs-real-kill9-{os.getpid()}-{tmp_path.name}"
+    turns = [Turn("Read", {"file_path": str(ws / "src/checkout/tax.py")}, delay=12),
+             # (Claude Code refuses a standalone `sleep 600`.)
+             Turn("Bash", {"command": f"python3 -c 'import time; time.sleep(600)' # {marker}",
+                           "description": "a long tool"}),
+             Turn(text="never reached")]
+    with scripted_model(turns) as (url, _model):
+        guard = subprocess.Popen(guard_claude(claude_cli, manifest, run_dir, f"Fix it ({marker})"), cwd=ws,
+                                 env=claude_env(home, url), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 stdin=subprocess.DEVNULL)
+        try:
+            wait_for(lambda: running_tool(guard.pid), "Claude Code's Bash tool", timeout=120)
+            tree = psutil.Process(guard.pid).children(recursive=True)
+            names = {p.name() for p in tree}
+            assert "python3" in names and ({"node", "claude"} & names), names
+            guard.send_signal(signal.SIGKILL)
+            wait_for(lambda: not [p for p in tree if alive(p)], "the session to die with the guard", timeout=2.0)
+        finally:
+            guard.kill()
+            guard.wait(timeout=30)
+            for p in processes_with(marker):
+                p.kill()
+    assert guard.returncode == -signal.SIGKILL
+    wait_for(lambda: str(tmp_path) not in host_mounts(), "the mount to go", timeout=10)
