@@ -257,3 +257,34 @@ def check_bounded_records_and_output(got: dict[str, dict[str, Any]], ws: Path, r
     assert (run_dir / "stdout.log").stat().st_size < 64 * MiB + 4096
     assert "output capped: stdout.log: 1073741824 bytes printed" in err
     assert peak < 300 * MiB, f"the guard's peak RSS was {peak // MiB} MiB"
+
+
+DISTINCT_CALLS = r'''
+import json, os, socket
+s = socket.socket(socket.AF_UNIX)
+s.connect(os.environ["GUARD_SOCKET"])
+replies = s.makefile("rb")
+ok = 0
+for i in range(300):  # 300 distinct Bash calls of 1 MiB each (a hook event may carry 4 MiB)
+    s.sendall(json.dumps({"type": "check", "tool": "Bash", "mutating": False,
+                          "args": {"command": f"{i} " + "x" * (1 << 20)}}).encode() + b"\n")
+    ok += json.loads(replies.readline())["ok"]
+print("answered", ok, flush=True)
+'''
+
+
+@needs_root
+@pytest.mark.xfail(strict=True, reason="sandbox/breaker.py _call() keeps the full text of every distinct tool "
+                   "call (tool + arguments, up to 4 MiB each) in Counters.identical for the whole run: "
+                   "the guard's memory grows with what the agent sends (1,000 calls of 1 MB: 1 GB RSS)")
+def test_distinct_tool_calls_do_not_grow_the_guard(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    (ws / "src/checkout").mkdir(parents=True)
+    manifest = tmp_path / "manifest.toml"
+    manifest.write_text(FIX_TAX)
+    run_dir = tmp_path / "run"
+    status, peak, _out, err = _guard_run_measured(
+        ["run", "--ci", "--manifest", str(manifest), "--run-dir", str(run_dir), "--",
+         "python3", "-c", DISTINCT_CALLS], ws, tmp_path)
+    assert status == 0 and "answered 300" in (run_dir / "stdout.log").read_text(), err
+    assert peak < 200 * MiB, f"the guard's peak RSS was {peak // MiB} MiB after 300 MiB of distinct calls"
