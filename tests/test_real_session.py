@@ -1,9 +1,10 @@
 """A real Claude Code session of minutes under ``guard run --agent claude --ci``, with quiet gaps.
 
-LONG: the CI schedule below takes about two and a half minutes of wall time (the model
-"thinks" 15-30 s before five of its turns). Before issue 10 the agent was SIGKILLed (exit 137)
-after any quiet gap of 10 s. Set ``GUARD_LONG_SESSION=manual`` for the longer schedule
-(gaps of 15-60 s, about five minutes), run once by hand.
+LONG: the CI schedule below takes about two minutes and a quarter of wall time (132 s
+measured; the model "thinks" 15-30 s before five of its turns, a tool sleeps 12 s). Before
+issue 10 the agent was SIGKILLed (exit 137) after any quiet gap of 10 s. Set
+``GUARD_LONG_SESSION=manual`` for the longer schedule (gaps of 15-60 s: 322 s measured), run
+once by hand. A shorter test kills the guard with SIGKILL during such a session.
 
 The session: ~10 tool calls of the real CLI against a scripted model on loopback: Read, Edit in
 scope, Bash running ``python3 -m pytest -q`` on a small test in scope, an out-of-scope Write the
