@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ class Turn:
     text: str = "Done."
     input_tokens: int = 1500
     output_tokens: int = 100
+    #: Seconds the model "thinks" before the response starts (a quiet gap for the agent).
+    delay: float = 0.0
 
 
 def _sse(events: list[dict[str, Any]]) -> bytes:
@@ -76,6 +79,8 @@ class _Model:
                 turn = self.script[n - 1] if n <= len(self.script) else Turn()
             else:
                 n, turn = 0, Turn(text="ok", input_tokens=10, output_tokens=2)
+        if turn.delay:
+            time.sleep(turn.delay)  # outside the lock: auxiliary requests are answered meanwhile
         return _stream(f"msg_{'main' if main else 'aux'}_{n:04d}", str(body.get("model", "")), turn)
 
     def tool_errors(self) -> list[str]:

@@ -1,0 +1,177 @@
+"""A real Claude Code session of minutes under ``guard run --agent claude --ci``, with quiet gaps.
+
+LONG: the CI schedule below takes about two minutes and a quarter of wall time (132 s
+measured; the model "thinks" 15-30 s before five of its turns, a tool sleeps 12 s). Before
+issue 10 the agent was SIGKILLed (exit 137) after any quiet gap of 10 s. Set
+``GUARD_LONG_SESSION=manual`` for the longer schedule (gaps of 15-60 s: 322 s measured), run
+once by hand. A shorter test kills the guard with SIGKILL during such a session.
+
+The session: ~10 tool calls of the real CLI against a scripted model on loopback: Read, Edit in
+scope, Bash running ``python3 -m pytest -q`` on a small test in scope, an out-of-scope Write the
+hook blocks (the breaker's words reach the next model request), a final text; the exit status
+passes through and every turn's tokens reach the breaker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from .helpers import wait_for
+from .model_server import Turn, scripted_model
+from .test_claude_code import claude_cli, setup
+from .test_lifecycle import host_mounts, processes_with
+
+__all__ = ["claude_cli"]  # the session fixture, re-exported for pytest
+
+#: Quiet gaps (seconds) before each of the model's turns, in order.
+CI_GAPS = [15, 0, 0, 20, 0, 0, 30, 0, 15, 0, 0, 25, 0]
+MANUAL_GAPS = [30, 0, 15, 45, 0, 20, 60, 0, 30, 15, 0, 60, 20]
+
+
+def guard_claude(claude: Path, manifest: Path, run_dir: Path, prompt: str = "Fix the rounding helper") -> list[str]:
+    """``guard run --agent claude --ci`` of the real CLI, as a user runs it."""
+    return [sys.executable, "-m", "sandbox", "run", "--agent", "claude", "--ci", "--manifest", str(manifest),
+            "--run-dir", str(run_dir), "--", str(claude), "-p", prompt, "--output-format", "stream-json",
+            "--verbose", "--dangerously-skip-permissions"]
+
+
+def claude_env(home: Path, url: str) -> dict[str, str]:
+    """The CLI's environment: the scripted model, no telemetry, no updates."""
+    return {**os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "sk-test-fake",
+            "IS_SANDBOX": "1", "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_AUTOUPDATER": "1"}
+
+
+def run_claude(claude: Path, ws: Path, home: Path, manifest: Path, run_dir: Path,
+               url: str) -> subprocess.CompletedProcess[str]:
+    """The session, bounded at 15 minutes."""
+    return subprocess.run(guard_claude(claude, manifest, run_dir), cwd=ws, env=claude_env(home, url),
+                          capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+
+
+def alive(p: psutil.Process) -> bool:
+    """Whether *p* still runs (a zombie waiting for its reaper does not)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def running_tool(guard: int) -> bool:
+    """Whether the scripted Bash tool (``python3 -c ...``) runs below *guard*."""
+    for p in psutil.Process(guard).children(recursive=True):
+        try:
+            if p.cmdline()[1:] == ["-c", "import time; time.sleep(600)"]:  # argv[0]: from Claude's PATH
+                return True
+        except psutil.Error:  # gone, or a zombie, meanwhile
+            pass
+    return False
+
+
+def gaps() -> list[float]:
+    """The CI schedule, or the long one with ``GUARD_LONG_SESSION=manual``."""
+    return [float(g) for g in (MANUAL_GAPS if os.environ.get("GUARD_LONG_SESSION") == "manual" else CI_GAPS)]
+
+
+@pytest.mark.long
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs as root, as CI does")
+def test_claude_code_session_of_minutes_with_quiet_gaps(tmp_path: Path, claude_cli: Path) -> None:
+    ws, home, manifest = setup(tmp_path)
+    (ws / "src/checkout/test_tax.py").write_text(
+        "from tax import total\n\n\ndef test_total():\n    assert total(2) == 2\n"
+    )
+    run_dir = tmp_path / "run"
+    tax, test = str(ws / "src/checkout/tax.py"), "src/checkout/test_tax.py"
+    # Run from src/checkout so the test imports tax; no cache provider: the repository root is out of scope
+    # (what pytest's cache does under a narrow scope is tested in test_real_tools.py).
+    # Each run differs a little: the breaker refuses a 3rd identical call even after edits (reported).
+    def pytest_cmd(flags: str) -> str:
+        return f"(cd src/checkout && {sys.executable} -m pytest -q -p no:cacheprovider {flags} test_tax.py)"
+    turns = [
+        Turn("Read", {"file_path": tax}),
+        Turn("Bash", {"command": pytest_cmd(""), "description": "run the tests"}),
+        Turn("Read", {"file_path": str(ws / test)}),
+        Turn("Edit", {"file_path": tax, "old_string": "    return x\n", "new_string": "    return round(x, 2)\n"}),
+        Turn("Bash", {"command": pytest_cmd("-x"), "description": "run the tests again"}),
+        Turn("Write", {"file_path": str(ws / "src/auth/jwt.py"), "content": "SECRET = 'x'\n"}),
+        Turn("Read", {"file_path": str(ws / "README.md")}),
+        Turn("Edit", {"file_path": str(ws / test), "old_string": "total(2) == 2",
+                      "new_string": "total(2.004) == 2.0"}),
+        Turn("Bash", {"command": pytest_cmd("-x -k total"), "description": "once more"}),
+        Turn("Bash", {"command": "sleep 12 && echo slept", "description": "a quiet tool"}),
+        Turn("Bash", {"command": "grep -rn round src/checkout/tax.py", "description": "search"}),  # no Grep tool
+        Turn("Bash", {"command": pytest_cmd("-rA") + " && echo PASSED-AT-END", "description": "final check"}),
+        Turn(text="All done: total rounds to cents."),
+    ]
+    for turn, gap in zip(turns, gaps(), strict=True):
+        turn.delay = gap
+    started = time.monotonic()
+    with scripted_model(turns) as (url, model):
+        result = run_claude(claude_cli, ws, home, manifest, run_dir, url)
+    elapsed = time.monotonic() - started
+    out = result.stdout + result.stderr
+    # Survived every gap, and Claude Code's own exit status (0: it finished) passed through.
+    assert result.returncode == 0, (elapsed, out[-3000:])
+    assert elapsed >= sum(gaps()), elapsed  # the gaps really happened inside the run
+    stream = (run_dir / "stdout.log").read_text()  # the agent's own stream-json
+    final = [m for m in map(json.loads, stream.splitlines()) if m.get("type") == "result"]
+    assert final and final[-1]["is_error"] is False, stream[-2000:]
+    assert len(model.requests) == len(turns), [len(r.get("messages", [])) for r in model.requests]
+    # The in-scope edits landed; the out-of-scope Write did not, and the breaker's words reached
+    # the model in the very next request.
+    assert (ws / "src/checkout/tax.py").read_text() == "def total(x):\n    return round(x, 2)\n"
+    assert "total(2.004) == 2.0" in (ws / test).read_text()
+    assert not (ws / "src/auth/jwt.py").exists()
+    refusal = [e for e in model.tool_errors() if "guard: refused" in e]
+    assert refusal and "scope_spill" in refusal[0] and "Fix the tax rounding helper" in refusal[0], refusal
+    seventh = json.dumps(model.requests[6]["messages"][-1])
+    assert "guard: refused" in seventh and "scope_spill" in seventh
+    # Every pytest run passed inside the mount, the last after the edits.
+    assert stream.count("1 passed") >= 4 and "PASSED-AT-END" in stream, stream[-3000:]
+    # The breaker saw the tokens of every turn and exactly one (recoverable) trip.
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert ledger["tokens"]["total"] >= len(turns) * 1500, ledger["tokens"]
+    assert [t["rule"] for t in ledger["trips"]] == ["scope_spill"], ledger["trips"]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert not [e for e in events if e.get("decision") == "deny" and e.get("path", "").startswith("src/checkout")]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs as root, as CI does")
+def test_sigkill_of_the_guard_ends_a_real_claude_session_within_2s(tmp_path: Path, claude_cli: Path) -> None:
+    """Past a quiet gap of 12 s, while Claude Code runs a Bash tool: SIGKILL of the guard
+    ends the CLI, its node children and the tool within 2 s, and leaves no mount."""
+    ws, home, manifest = setup(tmp_path)
+    run_dir = tmp_path / "run"
+    marker = f"guardfs-real-kill9-{os.getpid()}-{tmp_path.name}"
+    turns = [Turn("Read", {"file_path": str(ws / "src/checkout/tax.py")}, delay=12),
+             # (Claude Code refuses a standalone `sleep 600`.)
+             Turn("Bash", {"command": f"python3 -c 'import time; time.sleep(600)' # {marker}",
+                           "description": "a long tool"}),
+             Turn(text="never reached")]
+    with scripted_model(turns) as (url, _model):
+        guard = subprocess.Popen(guard_claude(claude_cli, manifest, run_dir, f"Fix it ({marker})"), cwd=ws,
+                                 env=claude_env(home, url), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 stdin=subprocess.DEVNULL)
+        try:
+            wait_for(lambda: running_tool(guard.pid), "Claude Code's Bash tool", timeout=120)
+            tree = psutil.Process(guard.pid).children(recursive=True)
+            names = {p.name() for p in tree}
+            assert "python3" in names and ({"node", "claude"} & names), names
+            guard.send_signal(signal.SIGKILL)
+            wait_for(lambda: not [p for p in tree if alive(p)], "the session to die with the guard", timeout=2.0)
+        finally:
+            guard.kill()
+            guard.wait(timeout=30)
+            for p in processes_with(marker):
+                p.kill()
+    assert guard.returncode == -signal.SIGKILL
+    wait_for(lambda: str(tmp_path) not in host_mounts(), "the mount to go", timeout=10)
