@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import difflib
 import enum
+import hashlib
 import heapq
 import itertools
 import json
@@ -107,6 +108,18 @@ class Trip:
     reason: str
 
 
+#: Distinct tool calls remembered for repetition (least recently made forgotten first).
+_IDENTICAL_KEPT = 4096
+#: Characters of a call's text that stagnation compares (difflib is quadratic).
+_SIMILARITY_CHARS = 2000
+
+
+def _nth(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, 11th, 21st ..."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 @dataclass(slots=True)
 class _Call:
     """One tool call, for repetition and stagnation."""
@@ -139,7 +152,9 @@ class _Counters:
     since_progress: int = 0
     consecutive_failures: int = 0
     window: collections.deque[int] = field(default_factory=collections.deque)  # maxlen set by Breaker
-    identical: collections.Counter[str] = field(default_factory=collections.Counter)
+    # Times each distinct call was made since the last progress, keyed by a digest of its
+    # text (a call's arguments can be megabytes: a Write's content), oldest first, bounded.
+    identical: dict[bytes, int] = field(default_factory=dict)
     calls: list[_Call] = field(default_factory=list)
 
 
@@ -433,6 +448,7 @@ class Breaker:
 
     def _progress(self) -> None:
         self._c.since_progress = 0
+        self._c.identical.clear()  # the same test command after a real change is a new question
         if self.state is State.HALF_OPEN_REANCHOR and not self._refuse_next:
             self.state = State.CLOSED
             self.last_feedback = ""
@@ -457,20 +473,24 @@ class Breaker:
         """Repetition and stagnation bookkeeping for one tool call."""
         c = self._c
         text = tool + " " + _CANONICAL.encode(args)
-        c.calls.append(_Call(text))
+        c.calls.append(_Call(text[:_SIMILARITY_CHARS]))  # stagnation compares beginnings: bounded work
         if len(c.calls) > 8:
             del c.calls[0]
-        c.identical[text] += 1
-        n = c.identical[text]
+        key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        n = c.identical.pop(key, 0) + 1
+        c.identical[key] = n  # re-inserted: the dict's order is least recently made first
+        if len(c.identical) > _IDENTICAL_KEPT:
+            del c.identical[next(iter(c.identical))]
         limit = self.limits.max_identical_calls
         if limit is not None and n >= limit:
             return self._reply_trip(Rule.REPEATED_ACTION, (
-                f"the same {tool} call, with the same arguments, for the {n}th time (max_identical_calls={limit})"))
+                f"the same {tool} call, with the same arguments, for the {_nth(n)} time since the last change "
+                f"(max_identical_calls={limit})"))
         if n == 1:
             return _FIRST_CALL
         return Reply(True, self.state, warning=(
-                f"guard: warning: this exact {tool} call was already made {n - 1} time(s); "
-                f"the {limit}th is refused"))
+                f"guard: warning: this exact {tool} call was already made {n - 1} time(s) since the last change; "
+                f"the {_nth(limit) if limit is not None else 'next'} is refused"))
 
     def _stagnating(self) -> bool:
         calls = self._c.calls[-3:]

@@ -258,6 +258,31 @@ def test_warning_on_the_second_identical_call() -> None:
     assert second.allow and "already made 1 time" in second.warning
 
 
+def test_the_same_test_command_after_a_real_change_is_no_repetition() -> None:
+    """An edit-test loop repeats its test command; what counts is repetition with nothing changed."""
+    b = Breaker(parse_manifest(FIX_TAX + '[limits]\nmax_identical_calls = 3\nmax_files = "unlimited"\n'),
+                WriteAccounting(), now=Clock())
+    for i in range(5):
+        assert b.step(tool="Bash", args={"cmd": "pytest -q"}).allow, i
+        assert write(b, f"src/checkout/f{i}.py").allow  # a real in-scope change in between
+    b.step(tool="Bash", args={"cmd": "pytest -q"})
+    b.step(tool="Bash", args={"cmd": "pytest -q"})
+    third = b.step(tool="Bash", args={"cmd": "pytest -q"})
+    assert not third.allow and third.trip is not None
+    assert "for the 3rd time since the last change" in third.trip.reason
+
+
+def test_distinct_calls_are_remembered_by_digest_and_bounded() -> None:
+    b = Breaker(parse_manifest(FIX_TAX + '[limits]\nmax_steps = "unlimited"\nmax_window_tokens = "unlimited"\n'),
+                WriteAccounting(), now=Clock())
+    big = "x" * 10_000  # kept whole, 5,000 of them would be 50 MB
+    for i in range(5000):
+        assert b.step(tool="Write", args={"content": big, "i": i}).allow
+    identical = b._c.identical
+    assert len(identical) <= 4096 and all(len(key) == 16 for key in identical)
+    assert all(len(call.text) <= 2000 for call in b._c.calls)
+
+
 def test_passing_test_is_progress_and_notes_reach_the_snapshot() -> None:
     b, _ = make()
     b.step(tokens_in=900)

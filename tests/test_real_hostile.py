@@ -22,7 +22,9 @@ import pytest
 from .helpers import FIX_TAX
 from .test_bounds_disk import MiB, _guard_run_measured
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="runs as root, as CI does")
+# Each test runs guard run for real: root (as CI) and a FUSE mount.
+pytestmark = [pytest.mark.root, pytest.mark.mount]
+
 
 HOSTILE = r'''
 import errno, json, os, resource, socket, sys, threading, time
@@ -164,8 +166,7 @@ def moves(stderr_log: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-@pytest.mark.long
-@needs_root
+@pytest.mark.slow
 @pytest.mark.parametrize("user", [None, "nobody"])
 def test_a_hostile_agent_inside_a_real_run(tmp_path: Path, user: str | None) -> None:
     python3 = shutil.which("python3", path="/usr/bin:/bin")
@@ -273,10 +274,6 @@ print("answered", ok, flush=True)
 '''
 
 
-@needs_root
-@pytest.mark.xfail(strict=True, reason="sandbox/breaker.py _call() keeps the full text of every distinct tool "
-                   "call (tool + arguments, up to 4 MiB each) in Counters.identical for the whole run: "
-                   "the guard's memory grows with what the agent sends (1,000 calls of 1 MB: 1 GB RSS)")
 def test_distinct_tool_calls_do_not_grow_the_guard(tmp_path: Path) -> None:
     ws = tmp_path / "ws"
     (ws / "src/checkout").mkdir(parents=True)

@@ -30,6 +30,9 @@ from .model_server import Turn, scripted_model
 from .test_claude_code import claude_cli, setup
 from .test_lifecycle import host_mounts, processes_with
 
+# Each test runs guard run for real: root (as CI) and a FUSE mount.
+pytestmark = [pytest.mark.root, pytest.mark.mount]
+
 __all__ = ["claude_cli"]  # the session fixture, re-exported for pytest
 
 #: Quiet gaps (seconds) before each of the model's turns, in order.
@@ -82,8 +85,7 @@ def gaps() -> list[float]:
     return [float(g) for g in (MANUAL_GAPS if os.environ.get("GUARD_LONG_SESSION") == "manual" else CI_GAPS)]
 
 
-@pytest.mark.long
-@pytest.mark.skipif(os.geteuid() != 0, reason="runs as root, as CI does")
+@pytest.mark.slow
 def test_claude_code_session_of_minutes_with_quiet_gaps(tmp_path: Path, claude_cli: Path) -> None:
     ws, home, manifest = setup(tmp_path)
     (ws / "src/checkout/test_tax.py").write_text(
@@ -145,7 +147,6 @@ def test_claude_code_session_of_minutes_with_quiet_gaps(tmp_path: Path, claude_c
     assert not [e for e in events if e.get("decision") == "deny" and e.get("path", "").startswith("src/checkout")]
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="runs as root, as CI does")
 def test_sigkill_of_the_guard_ends_a_real_claude_session_within_2s(tmp_path: Path, claude_cli: Path) -> None:
     """Past a quiet gap of 12 s, while Claude Code runs a Bash tool: SIGKILL of the guard
     ends the CLI, its node children and the tool within 2 s, and leaves no mount."""

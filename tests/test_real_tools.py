@@ -9,7 +9,6 @@ issue on generated territory: each asserts what a user expects, and fails loudly
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +16,11 @@ from typing import Any
 
 import pytest
 
-from .conftest import git_env
+from .helpers import git_env
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="runs as root, as CI does")
+# Each test runs guard run for real: root (as CI) and a FUSE mount.
+pytestmark = [pytest.mark.root, pytest.mark.mount]
+
 
 UNLIMITED = '[limits]\nmax_files = "unlimited"\nmax_rewrites = "unlimited"\n'
 
@@ -67,7 +68,6 @@ class Run:
                               check=True).stdout
 
 
-@needs_root
 def test_git_status_add_commit(tmp_path: Path) -> None:
     run = Run(tmp_path)
     result = run('echo "# cents" >> src/checkout/tax.py && git status --short && git add src/checkout/tax.py'
@@ -80,7 +80,6 @@ def test_git_status_add_commit(tmp_path: Path) -> None:
     assert run.trips() == []
 
 
-@needs_root
 def test_pip_install_into_a_venv_in_scope(tmp_path: Path) -> None:
     run = Run(tmp_path, UNLIMITED)
     result = run("/usr/bin/python3 -m venv src/checkout/.venv && src/checkout/.venv/bin/pip install -q iniconfig"
@@ -93,7 +92,6 @@ def test_pip_install_into_a_venv_in_scope(tmp_path: Path) -> None:
     assert run.trips() == []
 
 
-@needs_root
 def test_pytest_from_inside_the_scope_keeps_its_cache_there(tmp_path: Path) -> None:
     """With its cache inside the scope, pytest runs as often as the agent likes."""
     run = Run(tmp_path)
@@ -110,7 +108,6 @@ def test_pytest_from_inside_the_scope_keeps_its_cache_there(tmp_path: Path) -> N
 # ----- generated territory: false trips, for the issue to come -----------------------------------
 
 
-@needs_root
 @pytest.mark.xfail(strict=True, reason="generated territory: pytest's cache at the repository root is out of "
                    "scope; the second plain `pytest` trips scope_spill again and --ci ends the run with 75")
 def test_plain_pytest_twice_from_the_root(tmp_path: Path) -> None:
@@ -120,7 +117,6 @@ def test_plain_pytest_twice_from_the_root(tmp_path: Path) -> None:
     assert result.returncode == 0, (result.stderr, run.log()[-2000:])
 
 
-@needs_root
 @pytest.mark.xfail(strict=True, reason="generated territory: a venv in scope counts each of its ~2,400 files "
                    "against max_files (default 20): blast_radius trips and ensurepip fails")
 def test_a_venv_in_scope_under_the_default_limits(tmp_path: Path) -> None:
@@ -130,7 +126,6 @@ def test_a_venv_in_scope_under_the_default_limits(tmp_path: Path) -> None:
     assert result.returncode == 0 and "VENV-MADE" in run.log(), run.log()[-2000:]
 
 
-@needs_root
 @pytest.mark.xfail(strict=True, reason="git stash restores the committed content (A->B->A): oscillation trips, "
                    "and the refusal that delivers the feedback lands on git's own .git/index rename, so "
                    "`git stash` fails half-done and `git stash pop` fails too (the work stays in the stash)")
