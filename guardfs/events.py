@@ -125,6 +125,11 @@ _KEPT_OPS = frozenset({"trip", "breaker", "approve", "stop", "rollback", "limit"
 _NOISE_OPS = frozenset({"protocol"})
 
 
+#: A "dropped" line is written at most this often (and at close): under a sustained flood,
+#: one line before every kept event would be a flood of its own.
+DROPPED_EVERY_S = 1.0
+
+
 def _kept(op: str, decision: str) -> bool:
     return op in _KEPT_OPS or (decision == "deny" and op not in _NOISE_OPS)
 
@@ -180,7 +185,8 @@ class EventLog:
             self._pending_caps.add(cap)
             self.dropped[op] += 1
             return event
-        self._flush_dropped(now)
+        if self._pending and now - self._pending_since >= DROPPED_EVERY_S:
+            self._flush_dropped(now)  # at most one such line a second under a sustained flood
         self._write(event)
         return event
 

@@ -132,22 +132,28 @@ def test_event_size_cap_stops_the_file_growing_but_not_denials(tmp_path: Path) -
 
 
 def test_dropped_line_written_at_close_and_counts_survive(tmp_path: Path) -> None:
-    """The order of 'dropped' lines (before the next written event, and at close) and the
-    run's totals, on a hand-moved clock."""
+    """The order of 'dropped' lines (before the next written event once a second has passed
+    since the first drop, and at close: never one per kept event) and the run's totals, on a
+    hand-moved clock."""
     clock = [100.0]
     log = EventLog(tmp_path / "e.jsonl", clock=lambda: clock[0], caps=Record(events_per_second=1, events_burst=3))
     for _ in range(10):
         log.emit("note", "", "allow", kind="note")
-    log.emit("open", "src/\udcff", "deny", rule="paths.forbidden")
+    log.emit("open", "src/\udcff", "deny", rule="paths.forbidden")  # within the second: no line yet
+    clock[0] += 0.5
+    log.emit("open", "src/a", "deny", rule="paths.forbidden")
+    clock[0] += 0.6  # a second since the first drop: the count goes out before the next event
+    log.emit("open", "src/b", "deny", rule="paths.forbidden")
     for _ in range(4):
         log.emit("hello", "", "allow")
     log.close()
     events = read_events(tmp_path / "e.jsonl")
-    assert [e["op"] for e in events] == ["note"] * 3 + ["dropped", "open", "dropped"]
-    assert events[3]["kinds"] == {"note": 7} and events[5]["kinds"] == {"hello": 4}
-    assert events[4]["path"] == "src/\\xff" and unescape(events[4]["path"]) == b"src/\xff"
-    assert log.dropped == {"note": 7, "hello": 4}
-    assert log.counts["deny"] == 1 and log.counts["note"] == 10
+    # the bucket refilled one token in that second: one hello is written, three are dropped
+    assert [e["op"] for e in events] == ["note"] * 3 + ["open", "open", "dropped", "open", "hello", "dropped"]
+    assert events[5]["kinds"] == {"note": 7} and events[8]["kinds"] == {"hello": 3}
+    assert events[3]["path"] == "src/\\xff" and unescape(events[3]["path"]) == b"src/\xff"
+    assert log.dropped == {"note": 7, "hello": 3}
+    assert log.counts["deny"] == 3 and log.counts["note"] == 10
 
 
 def test_name_escapes_are_lossless_and_visible() -> None:
