@@ -24,7 +24,7 @@ from common import daemon_in_thread, percentiles, timed
 from guardfs.decision import Request
 from guardfs.events import EventLog
 from guardfs.manifest import parse_manifest
-from sandbox.client import GuardClient
+from sandbox.breaker.client import GuardClient
 from sandbox.session import Session
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -62,7 +62,7 @@ import json, os, sys, time
 cohort, seed = sys.argv[1], int(sys.argv[2])
 guard = None
 if os.environ.get("GUARD_SOCKET"):
-    from sandbox.client import GuardClient
+    from sandbox.breaker.client import GuardClient
     guard = GuardClient()
     guard.hello(f"cohort-{cohort}")
 

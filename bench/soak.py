@@ -9,7 +9,7 @@ Usage (as root, like guard run in CI):
 One real ``guard run --ci`` of a simulated agent (a Python script, inside the sandbox) that
 works in turns, in bursts of 3-8 turns separated by idle gaps of 15-120 s (random with a
 fixed seed; ``--gap-scale`` shrinks them for short runs). A turn reports a model step with
-its token counts over the agent socket (sandbox/client.py, GUARD_SOCKET), then uses one
+its token counts over the agent socket (sandbox/breaker/client.py, GUARD_SOCKET), then uses one
 tool: an in-scope edit in Python (append a function, or rewrite the module), the shell's
 ``>`` rewrite and ``>>`` append, reads of in-scope and out-of-scope files, or a test run
 through ``guard exec`` (pytest on a small test file, or ``python3 -c``). Edits are checked
@@ -86,7 +86,7 @@ idle_timeout_s = 3600
 # The simulated agent, run inside the sandbox. argv: minutes, seed, gap scale.
 AGENT = r'''
 import json, os, random, shutil, subprocess, sys, time
-from sandbox.client import GuardClient
+from sandbox.breaker.client import GuardClient
 
 minutes, seed, gap_scale = float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 deadline = time.time() + minutes * 60

@@ -255,7 +255,7 @@ def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: Eve
 
     from guardfs.mount import serve
     from sandbox.breaker import State
-    from sandbox.daemon import RunDirBusy
+    from sandbox.breaker.daemon import RunDirBusy
     from sandbox.session import Session
 
     session = Session(manifest, args.backing, events, run_dir=run_dir, mountpoint=args.mountpoint,
@@ -276,8 +276,8 @@ def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: Eve
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from sandbox.isolation import IsolationUnavailable
-    from sandbox.run import SYSTEM_RUNS, RunOptions, default_run_dir, run
+    from sandbox.launch.isolation import IsolationUnavailable
+    from sandbox.launch.run import SYSTEM_RUNS, RunOptions, default_run_dir, run
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -368,8 +368,8 @@ def _say_rolled_back(run_dir: Path) -> int:
 
 
 def _cmd_control(args: argparse.Namespace) -> int:
-    from sandbox.client import GuardClient, GuardClientError, GuardUnreachable, control_socket_path
-    from sandbox.ledger import render_state
+    from sandbox.breaker.client import GuardClient, GuardClientError, GuardUnreachable, control_socket_path
+    from sandbox.breaker.ledger import render_state
 
     run_dir = Path(args.run_dir)
     try:
@@ -404,7 +404,7 @@ def _cmd_control(args: argparse.Namespace) -> int:
 def _feed_parsed(args: argparse.Namespace) -> int:
     from sandbox.agents import to_messages
     from sandbox.agents.parsers import make_parser
-    from sandbox.client import GuardClient
+    from sandbox.breaker.client import GuardClient
 
     parser = make_parser(args.format)
     with GuardClient(args.socket) as guard:  # GuardUnreachable: 69, a rejected message: 65
@@ -419,7 +419,7 @@ def _feed_parsed(args: argparse.Namespace) -> int:
 
 
 def _cmd_feed(args: argparse.Namespace) -> int:
-    from sandbox.client import GuardClient, GuardClientError, GuardUnreachable
+    from sandbox.breaker.client import GuardClient, GuardClientError, GuardUnreachable
 
     rejected = False
     if args.format != "protocol":
@@ -461,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verb == "run":
             return _cmd_run(args)
         if args.verb == "exec":
-            from sandbox.exec import run_exec
+            from sandbox.launch.exec import run_exec
 
             command = args.command[1:] if args.command[:1] == ["--"] else args.command
             if not command:

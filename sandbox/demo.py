@@ -51,7 +51,7 @@ REPO = {
 # The agent, run inside the sandbox. Each step prints "ok"/"BAD", what it tried and what it got.
 AGENT = r'''
 import errno, os, subprocess, sys
-from sandbox.client import GuardClient
+from sandbox.breaker.client import GuardClient
 
 TAX = "def total(amount, coupon):\n    return {}\n"
 bad = 0

@@ -27,8 +27,8 @@ from guardfs.fs import GuardFS
 from guardfs.manifest import Manifest
 from guardfs.policy import PathPolicy
 from sandbox.breaker import Breaker, Effect, Effects
-from sandbox.daemon import Daemon
-from sandbox.ledger import render_state
+from sandbox.breaker.daemon import Daemon
+from sandbox.breaker.ledger import render_state
 
 __all__ = ["Session", "git_config_exists"]
 
@@ -128,7 +128,7 @@ class Session:
     # ----- life cycle ------------------------------------------------------------------
 
     def prepare(self) -> None:
-        """Claim the run directory (raises :class:`~sandbox.daemon.RunDirBusy` if another
+        """Claim the run directory (raises :class:`~sandbox.breaker.daemon.RunDirBusy` if another
         guard serves it) and write the first ledger."""
         if self._daemon is not None:
             self._daemon.prepare()

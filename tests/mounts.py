@@ -27,7 +27,7 @@ from guardfs.events import EventLog
 from guardfs.fs import GuardFS
 from guardfs.manifest import parse_manifest
 from guardfs.mount import serve
-from sandbox.daemon import Daemon
+from sandbox.breaker.daemon import Daemon
 from sandbox.session import Session
 
 from .helpers import wait_for

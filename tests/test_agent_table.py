@@ -19,11 +19,12 @@ from typing import get_args
 
 import pytest
 
-from sandbox import cli, protocol
+from sandbox import cli
 from sandbox.agents import fasthook, hooks
 from sandbox.agents.events import JsonLinesParser
 from sandbox.agents.parsers import FORMATS, make_parser
 from sandbox.agents.registry import AGENTS, detect
+from sandbox.breaker import protocol
 
 from .helpers import FIX_TAX as MANIFEST
 
@@ -61,7 +62,7 @@ def test_each_agent_is_detected_parsed_and_launched_from_its_entry(name: str) ->
 
 
 def test_one_protocol_version_and_one_guard_unreachable() -> None:
-    from sandbox import client
+    from sandbox.breaker import client
 
     assert protocol.VERSION == fasthook.VERSION
     assert get_args(protocol.Hello.model_fields["v"].annotation) == (fasthook.VERSION,)
@@ -82,7 +83,7 @@ def test_run_and_cli_name_no_agent() -> None:
         words |= {agent.name, agent.stream_format, *agent.commands}
         words |= {var for var, _, _ in agent.launch("HOOK").files}
         exact |= {*agent.mutating_tools, agent.hook.before, agent.hook.after}
-    for module in ("run.py", "cli.py"):
+    for module in ("launch/run.py", "cli.py"):
         tree = ast.parse((ROOT / "sandbox" / module).read_text())
         strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
         found = {s for s in strings for w in words if re.search(rf"(?<![\w-]){re.escape(w)}(?![\w-])", s)}

@@ -30,7 +30,7 @@ from guardfs.errors import ManifestError
 from guardfs.events import EventLog
 from guardfs.fs import GuardFS
 from guardfs.manifest import parse_manifest
-from sandbox.quarantine import LOG_MAX_BYTES, Recorder, _failing_lines, digest
+from sandbox.launch.quarantine import LOG_MAX_BYTES, Recorder, _failing_lines, digest
 
 from .helpers import FIX_TAX, wait_for
 from .mounts import _ServerThread

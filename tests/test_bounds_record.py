@@ -22,7 +22,7 @@ import pytest
 from guardfs.decision import ERRNO_LIMIT
 from guardfs.events import EventLog, escape_name, printable, unescape
 from guardfs.manifest import Record
-from sandbox.client import GuardClient
+from sandbox.breaker.client import GuardClient
 
 from .helpers import FIX_TAX, wait_for
 from .mounts import CHECKOUT_MANIFEST, guarded_mount
@@ -214,7 +214,7 @@ def test_record_settings_are_validated() -> None:
 
 ODD_NAMES = """
     import json, os, sys
-    from sandbox.client import GuardClient
+    from sandbox.breaker.client import GuardClient
     with open(b"src/checkout/\\xff", "w") as f:
         f.write("not utf-8 name\\n")
     with open("src/checkout/a\\n| forged | row |", "w") as f:

@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import trio
 
-from sandbox import daemon as daemon_module
 from sandbox.agents.parsers import FORMATS, make_parser
 from sandbox.breaker import State
-from sandbox.daemon import MAX_BUFFERED, MAX_CONNECTIONS, Daemon
-from sandbox.protocol import MAX_LINE
+from sandbox.breaker import daemon as daemon_module
+from sandbox.breaker.daemon import MAX_BUFFERED, MAX_CONNECTIONS, Daemon
+from sandbox.breaker.protocol import MAX_LINE
 
 from .helpers import state_of
 from .test_daemon import good_client_works, raw, running_daemon

@@ -13,7 +13,7 @@ from guardfs.decision import Request, Verdict, policy_verdict
 from guardfs.events import json_safe, unescape
 from guardfs.manifest import parse_manifest
 from sandbox.breaker import Breaker, Reply, State
-from sandbox.ledger import render_state
+from sandbox.breaker.ledger import render_state
 
 from .helpers import FIX_TAX, state_of
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from sandbox.client import GuardClient
-from sandbox.ledger import render_state
+from sandbox.breaker.client import GuardClient
+from sandbox.breaker.ledger import render_state
 
 from .helpers import FIX_TAX, state_of, wait_for
 from .mounts import guarded_mount

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from guardfs.errors import CantCreateError, Exit, GuardError, ManifestError, MountError, UnavailableError, UsageError
-from sandbox.client import GuardClientError, GuardUnreachable
-from sandbox.daemon import RunDirBusy
-from sandbox.isolation import IsolationUnavailable
+from sandbox.breaker.client import GuardClientError, GuardUnreachable
+from sandbox.breaker.daemon import RunDirBusy
+from sandbox.launch.isolation import IsolationUnavailable
 from sandbox.report import ReportError
 
 CONTROL_VERBS = ["status", "approve", "stop", "checkpoint", "rollback"]

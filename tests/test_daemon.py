@@ -18,11 +18,11 @@ import trio.testing
 
 from guardfs.events import EventLog
 from guardfs.manifest import parse_manifest
-from sandbox import daemon as daemon_module
 from sandbox.breaker import State
-from sandbox.client import AsyncGuardClient, GuardClientError
-from sandbox.daemon import Daemon, RunDirBusy
-from sandbox.protocol import MAX_LINE
+from sandbox.breaker import daemon as daemon_module
+from sandbox.breaker.client import AsyncGuardClient, GuardClientError
+from sandbox.breaker.daemon import Daemon, RunDirBusy
+from sandbox.breaker.protocol import MAX_LINE
 from sandbox.session import Session
 
 from .helpers import FIX_TAX, state_of

@@ -14,9 +14,9 @@ import pytest
 from guardfs.errors import ManifestError
 from guardfs.events import EventLog
 from guardfs.manifest import parse_manifest
-from sandbox import lanes
-from sandbox.lanes import LaneStage, plan_lanes
-from sandbox.run import RunOptions, _fast_lanes
+from sandbox.launch import lanes
+from sandbox.launch.lanes import LaneStage, plan_lanes
+from sandbox.launch.run import RunOptions, _fast_lanes
 
 from .helpers import snapshot
 from .test_run import guard_run

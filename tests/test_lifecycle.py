@@ -206,7 +206,7 @@ FAULTS = {
         Breaker.tick = tick
     """,
     "pump": """
-        from sandbox.quarantine import Recorder
+        from sandbox.launch.quarantine import Recorder
         real = Recorder.feed
         def feed(self, data):
             if b"inject-fault" in data:
@@ -219,7 +219,8 @@ FAULTS = {
 #: What the agent does to set each fault off; then it would sleep for 10 minutes.
 TRIGGERS = {
     "fuse handler": "os.mkdir('src/checkout/inject-fault')",
-    "daemon": "from sandbox.client import GuardClient; GuardClient().__enter__().step(tokens_in=1, tokens_out=1)",
+    "daemon": ("from sandbox.breaker.client import GuardClient; "
+               "GuardClient().__enter__().step(tokens_in=1, tokens_out=1)"),
     "pump": "print('inject-fault', flush=True)",
 }
 

@@ -20,7 +20,7 @@ from .test_run import guard_run, workspace
 # goes back to work, then writes out of scope twice: the second violation stops the run.
 AGENT = """
     import os
-    from sandbox.client import GuardClient
+    from sandbox.breaker.client import GuardClient
     def spill(name):
         try:
             with open(name, "a") as f:

@@ -252,7 +252,7 @@ def test_agent_status_env_and_cwd(tmp_path: Path) -> None:
     script = """
         import os, sys
         print(os.getcwd(), os.environ["GUARD_SOCKET"], os.environ["GUARD_RUN_DIR"], flush=True)
-        from sandbox.client import GuardClient
+        from sandbox.breaker.client import GuardClient
         with GuardClient() as guard:
             print(guard.hello("test")["state"], flush=True)
             guard.step(tokens_in=1234, tokens_out=100)
@@ -314,7 +314,7 @@ def test_terminal_trip_freezes_then_rollback_and_approve_resume(tmp_path: Path) 
     run_dir = tmp_path / "run"
     script = """
         import time
-        from sandbox.client import GuardClient
+        from sandbox.breaker.client import GuardClient
         open("src/checkout/tax.py", "w").write("def total(x):\\n    return -x\\n")
         for name in ("README.md", "NOTES.md"):  # out of scope twice: HALF_OPEN, then terminal
             try:
@@ -472,7 +472,8 @@ def test_unprivileged_guard_run() -> None:
         mode = stat.S_IMODE(os.stat("/dev/fuse").st_mode)
         with _fuse_open_to_others():
             probe = subprocess.run([*user, "-c", "import os; os.close(os.open('/dev/fuse', os.O_RDWR)); "
-                                    "import pyfuse3, sandbox.run"], capture_output=True, text=True, env=env, cwd=base)
+                                    "import pyfuse3, sandbox.launch.run"],
+                                   capture_output=True, text=True, env=env, cwd=base)
             assert probe.returncode == 0, probe.stderr
             result = subprocess.run(
                 [*user, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest), "--run-dir", str(base / "run"),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox.client import GuardClient
+from sandbox.breaker.client import GuardClient
 
 from .helpers import FIX_TAX
 from .mounts import Guarded, guarded_mount

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox.client import GuardClient
+from sandbox.breaker.client import GuardClient
 
 from .helpers import git_env
 from .mounts import Guarded, guarded_mount

@@ -45,7 +45,7 @@ __all__ = [
     "loads_bounded", "main", "refuse_malformed", "run_hook",
 ]
 
-#: The socket protocol's version, the ``v`` of every message (sandbox.protocol checks it; the
+#: The socket protocol's version, the ``v`` of every message (sandbox.breaker.protocol checks it; the
 #: compiled hook helper is built with it).
 VERSION: Final = 1
 

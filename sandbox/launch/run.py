@@ -39,14 +39,14 @@ from sandbox.agents import Event, to_messages
 from sandbox.agents.hooks import compiled_helper, launch
 from sandbox.agents.registry import AGENTS
 from sandbox.breaker import Breaker, Effect, Effects, State
-from sandbox.daemon import Daemon
+from sandbox.breaker.daemon import Daemon
+from sandbox.breaker.ledger import write_ledger
 from sandbox.exitcodes import Exit
-from sandbox.isolation import SANDBOX_RUN_DIR, bwrap_argv, private_mount_namespace, probe, system_entry
-from sandbox.lanes import LaneStage, plan_lanes
-from sandbox.ledger import write_ledger
-from sandbox.quarantine import Recorder, console, digest
+from sandbox.launch.isolation import SANDBOX_RUN_DIR, bwrap_argv, private_mount_namespace, probe, system_entry
+from sandbox.launch.lanes import LaneStage, plan_lanes
+from sandbox.launch.quarantine import Recorder, console, digest
+from sandbox.launch.supervisor import ProcessTree, Spawner, wait_exit
 from sandbox.session import Session
-from sandbox.supervisor import ProcessTree, Spawner, wait_exit
 
 __all__ = ["SYSTEM_RUNS", "RunOptions", "default_run_dir", "run"]
 
@@ -270,7 +270,7 @@ def _agent_argv(
 
 
 def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: EventLog) -> list[str]:
-    """bubblewrap arguments for the run's fast lanes (see sandbox.lanes), said aloud and
+    """bubblewrap arguments for the run's fast lanes (see sandbox.launch.lanes), said aloud and
     recorded as an event; none when the manifest declares none or there is no sandbox."""
     settings = opts.manifest.sandbox
     if not (settings.fast_lanes or settings.out_of_scope_fast_lanes):

@@ -6,7 +6,7 @@ own path (covering the real directory), and the agent socket at ``/tmp/guard/age
 The run directory (control socket, ledger, logs) is covered by an empty tmpfs; only its
 ``exec/`` directory is bound writable at ``/tmp/guard/exec``, where ``guard exec`` keeps its
 logs, so they land on the host and outlive the run. As root,
-every capability is dropped. The last step, :mod:`sandbox.enter`, adds Landlock (writes
+every capability is dropped. The last step, :mod:`sandbox.launch.enter`, adds Landlock (writes
 only beneath the workspace, /tmp, /dev and declared extras) and no_new_privs.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from guardfs.errors import UnavailableError
-from sandbox.landlock import LandlockUnavailable, abi_version
+from sandbox.launch.landlock import LandlockUnavailable, abi_version
 
 __all__ = [
     "SANDBOX_RUN_DIR", "Isolation", "IsolationUnavailable", "bind_read_only", "bwrap_argv",
@@ -116,13 +116,13 @@ def _keep_visible(covered: Sequence[str]) -> list[str]:
 
 
 def system_entry() -> list[str]:
-    """Run sandbox.enter with the system's python3, for an agent user who cannot reach this
+    """Run sandbox.launch.enter with the system's python3, for an agent user who cannot reach this
     interpreter (a virtualenv under /root, say): it needs the standard library only."""
     import sandbox
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(sandbox.__file__)))
     python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
-    code = f"import sys; sys.path.insert(0, {root!r}); from sandbox.enter import main; sys.exit(main())"
+    code = f"import sys; sys.path.insert(0, {root!r}); from sandbox.launch.enter import main; sys.exit(main())"
     return [python, "-c", code]
 
 
@@ -144,7 +144,7 @@ def bwrap_argv(
 ) -> list[str]:
     """The full command line that starts *command* isolated, in *cwd*.
 
-    *entry* is how to run :mod:`sandbox.enter` (default: this interpreter, ``-m``); *files*
+    *entry* is how to run :mod:`sandbox.launch.enter` (default: this interpreter, ``-m``); *files*
     are (source, destination) pairs bound read-only (an agent's settings for this run);
     *over_workspace* are bubblewrap arguments applied right after the mount is bound at the
     workspace (the fast lanes and their masks); *exec_logs* is the host directory bound
@@ -182,7 +182,7 @@ def bwrap_argv(
         "--setenv", "GUARD_RUN_DIR", SANDBOX_RUN_DIR,
         "--setenv", "GUARD_WORKSPACE", workspace,
         "--",
-        *(entry or [sys.executable, "-m", "sandbox.enter"]),
+        *(entry or [sys.executable, "-m", "sandbox.launch.enter"]),
         "--write", workspace, "--write", "/tmp", "--write", "/dev",
         *(f"--write={p}" for p in writable),
         "--", *command,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from guardfs.manifest import Manifest
 from guardfs.policy import GUARD_DIR, PathPolicy, Scope
-from sandbox.isolation import bind_read_only, unbind
+from sandbox.launch.isolation import bind_read_only, unbind
 
 __all__ = ["MAX_MASKS", "LaneStage", "Lanes", "plan_lanes"]
 

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import IO
 
-from sandbox.client import GuardClient, GuardClientError
+from sandbox.breaker.client import GuardClient, GuardClientError
 from sandbox.exitcodes import Exit
-from sandbox.quarantine import LOG_MAX_BYTES, Recorder, digest
+from sandbox.launch.quarantine import LOG_MAX_BYTES, Recorder, digest
 
 __all__ = ["run_exec"]
 

@@ -6,7 +6,7 @@ oversized line, a silent or slow client affects that connection alone.
 
 What a client can make the guard hold is bounded: at most :data:`MAX_CONNECTIONS` open
 connections per socket (one more closes the longest-idle one, so silent clients cannot
-lock the others out), :data:`~sandbox.protocol.MAX_LINE` bytes of unfinished line per
+lock the others out), :data:`~sandbox.breaker.protocol.MAX_LINE` bytes of unfinished line per
 connection and :data:`MAX_BUFFERED` across a socket's connections. The accept loop is
 trio's :func:`trio.serve_listeners`; the listener it serves books each connection as it
 accepts it and rides out descriptor and memory exhaustion (EMFILE, ENFILE, ENOBUFS,
@@ -38,8 +38,8 @@ from guardfs.errors import UsageError
 from guardfs.events import EventLog, json_safe
 from sandbox.agents.fasthook import GuardUnreachable, HookPayloadError, decide, refuse_malformed
 from sandbox.breaker import Breaker, Effect, Effects, Reply
-from sandbox.ledger import write_ledger
-from sandbox.protocol import (
+from sandbox.breaker.ledger import write_ledger
+from sandbox.breaker.protocol import (
     MAX_LINE,
     VERSION,
     Approve,

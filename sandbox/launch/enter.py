@@ -3,7 +3,7 @@
 Run by ``guard run`` as the command inside bubblewrap (bubblewrap itself needs to mount,
 which a Landlock-restricted process may not):
 
-    python -m sandbox.enter --write /workspace --write /tmp -- CMD ARGS...
+    python -m sandbox.launch.enter --write /workspace --write /tmp -- CMD ARGS...
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from sandbox.landlock import LandlockUnavailable, restrict_writes
+from sandbox.launch.landlock import LandlockUnavailable, restrict_writes
 
 
 def main(argv: list[str] | None = None) -> int:
