@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from typing import NoReturn
 
 import trio
 
@@ -93,8 +94,8 @@ async def check_config_landing(
     path, st = src
     dst = request.target if request.path == path else request.path
 
-    def refuse(why: str) -> None:
-        gate.deny(request, Verdict(False, GIT_GUARDED_RULE, None, ERRNO_READ_ONLY, f"{dst}: {why}"))
+    def refuse(why: str) -> NoReturn:
+        gate.refuse(request, Verdict(False, GIT_GUARDED_RULE, None, ERRNO_READ_ONLY, f"{dst}: {why}"))
 
     if exchange:
         refuse("a repository's config is replaced by a plain rename only, not exchanged")
