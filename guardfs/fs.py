@@ -38,7 +38,7 @@ from guardfs.gate import Gate
 from guardfs.inodes import Entry, InodeTable
 from guardfs.manifest import Manifest
 from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope
-from guardfs.rename import check_carried, plan_rename
+from guardfs.rename import check_carried, check_config_landing, plan_rename
 from guardfs.sessions import OpenFile, WriteSessions, invalidate_later
 from guardfs.virtual import GuardNode, default_state
 
@@ -238,7 +238,8 @@ class GuardFS(pyfuse3.Operations):
         """Classification of *path* (by its inode when it exists, hard links included)."""
         if st is None:
             return self.policy.classify(path, is_dir)
-        return self.inodes.classify(st.st_ino, stat.S_ISDIR(st.st_mode), path)
+        return self.policy.settled(self.inodes.classify(st.st_ino, stat.S_ISDIR(st.st_mode), path),
+                                   st.st_ctime_ns)
 
     def _lstat_or_none(self, path: str) -> os.stat_result | None:
         try:
@@ -543,10 +544,9 @@ class GuardFS(pyfuse3.Operations):
         dst_dir = dst_st is not None and stat.S_ISDIR(dst_st.st_mode)
         exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
         # What the destination name becomes: the moving object's kind decides dir patterns.
+        dst_where = self._where(dst, dst_st, src_dir)
         request, commit = plan_rename(
-            self.gate, self.backing,
-            (src, src_st, self._where(src, src_st, src_dir)),
-            (dst, dst_st, self._where(dst, dst_st, src_dir)),
+            self.gate, self.backing, (src, src_st, self._where(src, src_st, src_dir)), (dst, dst_st, dst_where),
             exchange,
         )
         self.gate.check(request)
@@ -554,6 +554,10 @@ class GuardFS(pyfuse3.Operations):
             check_carried(self.gate, self.backing, request, src, dst)
             if exchange:
                 check_carried(self.gate, self.backing, request, dst, src)
+        if dst_where.scope is Scope.GIT_GUARDED or (exchange and request.where.scope is Scope.GIT_GUARDED):
+            entry = self.inodes.get(self.inodes.fuse_ino(src_st.st_ino))
+            writers = entry is not None and any(self._files[fd].writable for fd in entry.handles)
+            await check_config_landing(self.gate, self.backing, request, (src, src_st), exchange, writers)
         await self._pre_move((src, src_st), (dst, dst_st))
         old_dir, old_name = self.backing.parent(src)
         new_dir, new_name = self.backing.parent(dst)

@@ -26,9 +26,11 @@ _STRICTNESS = {
     Scope.FORBIDDEN: 0,
     Scope.PROTECTED: 1,
     Scope.GIT_CONFIG: 2,
-    Scope.OUT_OF_SCOPE: 3,
-    Scope.GIT_INTERNAL: 4,
-    Scope.ALLOWED: 5,
+    Scope.GIT_ANCHOR: 3,
+    Scope.GIT_GUARDED: 4,
+    Scope.OUT_OF_SCOPE: 5,
+    Scope.GIT_INTERNAL: 6,
+    Scope.ALLOWED: 7,
 }
 
 
@@ -46,6 +48,9 @@ class Entry:
     virtual: bool = False  # served by guardfs itself (.guard/), never forgotten
     # The file's other known names (hard links); `path` is the one most recently learnt.
     aliases: set[str] = field(default_factory=set)
+    # Its last name is gone (unlinked or replaced). The backing filesystem may then give its
+    # inode number to a new file, which must not inherit this file's verdict.
+    nameless: bool = False
 
     def rebase(self, old: str, new: str) -> None:
         """Names at or below *old* now live below *new* (a directory moved)."""
@@ -104,6 +109,11 @@ class InodeTable:
         if entry is None:
             entry = Entry(ino, st_ino, path, is_dir, where or self.policy.classify(path, is_dir))
             self._entries[ino] = entry
+        elif entry.nameless and not entry.handles:
+            # A new file under a reused inode number: a fresh entry, the kernel's count kept.
+            entry.path, entry.is_dir, entry.nameless = path, is_dir, False
+            entry.where = where or self.policy.classify(path, is_dir)
+            entry.aliases.clear()
         elif entry.path != path:
             where = where or self.policy.classify(path, is_dir)
             if is_dir or _STRICTNESS[where.scope] <= _STRICTNESS[entry.where.scope]:
@@ -143,7 +153,8 @@ class InodeTable:
         """The name *path* of *entry* is gone (unlinked, or replaced by a rename)."""
         if entry.path == path:
             if not entry.aliases:
-                return  # its last known name: the entry lives on only through open handles
+                entry.nameless = True  # the entry lives on only through open handles
+                return
             entry.path = min(entry.aliases)
         entry.aliases.discard(path)
 

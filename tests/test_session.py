@@ -95,11 +95,12 @@ def test_hook_check_and_mount_agree_on_every_built_in_protection(tmp_path: Path)
 
 @pytest.mark.mount
 def test_hook_check_and_mount_agree_on_a_git_config_the_agent_creates(tmp_path: Path) -> None:
-    """A repository the agent creates during the run may configure itself: both allow."""
+    """A repository the agent creates during the run may configure itself, through git
+    (issue 12: a lock file renamed over the config, checked); a direct write is refused by both."""
     (tmp_path / "backing/.git/hooks").mkdir(parents=True)
     with guarded_mount(tmp_path, FIX_TAX, run_dir=tmp_path / "run") as g:
-        assert _both_answers(g, ".git/config") == (True, True)
-        assert (g.backing / ".git/config").read_text() == "x\n"
+        assert _both_answers(g, ".git/config") == (False, False)
+        assert not (g.backing / ".git/config").exists()
         assert _both_answers(g, ".git/hooks/post-checkout") == (False, False)
 
 
