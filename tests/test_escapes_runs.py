@@ -18,6 +18,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,8 +86,8 @@ print(json.dumps(out), flush=True)
 """
 
 
-def _run(manifest: Path, ws: Path, run_dir: Path, args: dict[str, object], user: str | None,
-         env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], dict[str, object]]:
+def _run(manifest: Path, ws: Path, run_dir: Path, args: dict[str, Any], user: str | None,
+         env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     """guard run the probe as the agent; its findings, read from the run's stdout.log."""
     flags = ["--user", user] if user else []
     result = subprocess.run(
@@ -159,7 +160,7 @@ def test_another_run_and_the_hosts_secrets_are_out_of_reach(tmp_path: Path, user
             result, found = _run(manifest, ws, tmp_path / "run-a", args, user, env)
             assert result.returncode == 0, result.stderr
             assert found[f"sock:{run_b}/control.sock"][0] == "ENOENT", found
-            how, reply = found[f"sock:{exposed}/b-control.sock"]  # type: ignore[misc]
+            how, reply = found[f"sock:{exposed}/b-control.sock"]
             if user:
                 assert how == "EACCES", found
             else:
@@ -171,9 +172,9 @@ def test_another_run_and_the_hosts_secrets_are_out_of_reach(tmp_path: Path, user
             assert found[f"read:{canary}"][0] == "ENOENT", found
             assert found[f"list:{run_b}"] in (["ok", []], ["ENOENT", None]), found  # an empty stand-in
             listed = found["list:/root"]
-            assert listed[0] != "ok" or canary.name not in listed[1], found  # type: ignore[operator]
+            assert listed[0] != "ok" or canary.name not in listed[1], found
             if user:
-                _only_allowed(set(found["env"]))  # type: ignore[arg-type]
+                _only_allowed(set(found["env"]))
             # B is unaffected: still running, steered from the host, and stops when told.
             assert proc_b.poll() is None
             status = subprocess.run([sys.executable, "-m", "sandbox", "status", "--run-dir", str(run_b)],
@@ -228,10 +229,10 @@ def test_network_none_leaves_the_host_unreachable(tmp_path: Path, user: str | No
         result, found = _run(manifest, ws, tmp_path / "run", {"port": port, "abstract": name}, user)
     assert result.returncode == 0, result.stderr
     if network == "none":
-        assert found["tcp"][0] == "ECONNREFUSED", found  # type: ignore[index]
-        assert found["abstract"][0] == "ECONNREFUSED", found  # type: ignore[index]
+        assert found["tcp"][0] == "ECONNREFUSED", found
+        assert found["abstract"][0] == "ECONNREFUSED", found
     else:
-        assert found["tcp"][0] == "ok" and found["abstract"][0] == "ok", found  # type: ignore[index]
+        assert found["tcp"][0] == "ok" and found["abstract"][0] == "ok", found
 
 
 def test_network_none_needs_the_sandbox(tmp_path: Path) -> None:
@@ -260,8 +261,8 @@ def test_lanes_staging_is_out_of_sight_whatever_tmpdir_says(tmp_path: Path, user
         env = {**os.environ, "TMPDIR": str(tmpdir)}
         result, found = _run(manifest, ws, tmp_path / "run", args, user, env)
         assert "fast lanes (read natively" in result.stderr
-        assert not any(str(p).startswith(str(tmpdir)) for p in found["staged"]), found  # type: ignore[attr-defined]
-        for p in found["staged"]:  # type: ignore[attr-defined]
+        assert not any(str(p).startswith(str(tmpdir)) for p in found["staged"]), found
+        for p in found["staged"]:
             assert found[f"list:{p}"][0] == "ENOENT", found  # named in mountinfo, reachable nowhere
         assert found["read:docs/.env.docs"][0] == "EACCES", found
         assert found["read:node_modules/pkg/secrets/key.pem"][0] in ("EACCES", "ENOENT"), found
