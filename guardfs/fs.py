@@ -36,6 +36,7 @@ from guardfs.decision import Decider, LimitsDecider, Request
 from guardfs.events import EventLog
 from guardfs.gate import Gate
 from guardfs.inodes import Entry, InodeTable
+from guardfs.links import forbidden_links
 from guardfs.manifest import Manifest
 from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope
 from guardfs.rename import check_carried, check_config_landing, plan_rename
@@ -155,7 +156,9 @@ class GuardFS(pyfuse3.Operations):
             manifest, git_config_existed=self._lstat_or_none(".git/config") is not None)
         root = os.stat(self.backing.root_fd)
         self._root_dev = root.st_dev
-        self.inodes = InodeTable(self.policy, root.st_ino)
+        # One walk of the workspace, before the mount serves anything: the other names of
+        # forbidden files are forbidden too (guardfs.links).
+        self.inodes = InodeTable(self.policy, root.st_ino, forbidden_links(self.backing, self.policy))
         self.accounting = accounting if accounting is not None else WriteAccounting()
         self.decider: Decider = decider or LimitsDecider(manifest.limits, self.accounting)
         self.events = events

@@ -11,7 +11,7 @@ reach zero.
 from __future__ import annotations
 
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import pyfuse3
@@ -66,11 +66,19 @@ def _rebased(path: str, old: str, new: str) -> str:
 
 
 class InodeTable:
-    """Maps FUSE inodes to entries; pure bookkeeping, no I/O."""
+    """Maps FUSE inodes to entries; pure bookkeeping, no I/O.
 
-    def __init__(self, policy: PathPolicy, root_backing_ino: int) -> None:
+    *linked* holds the backing inodes forbidden whatever their name (the hard links of
+    forbidden files found at start, see :mod:`guardfs.links`): every verdict this table
+    gives or caches for one of them is that, never the name's.
+    """
+
+    def __init__(
+        self, policy: PathPolicy, root_backing_ino: int, linked: Mapping[int, Classification] | None = None
+    ) -> None:
         self.policy = policy
         self._root_bino = root_backing_ino
+        self._linked: Mapping[int, Classification] = linked or {}
         root = Entry(pyfuse3.ROOT_INODE, root_backing_ino, "", True, policy.classify("", True), 1)
         self._entries: dict[int, Entry] = {root.ino: root}
 
@@ -97,6 +105,14 @@ class InodeTable:
         entry = self._entries.get(self.fuse_ino(st_ino))
         if entry is not None and entry.path == path:
             return entry.where
+        return self._judge(st_ino, path, is_dir)
+
+    def _judge(self, st_ino: int, path: str, is_dir: bool) -> Classification:
+        """The policy's verdict on *path*, unless the inode is forbidden under any name."""
+        if not is_dir:
+            by_inode = self._linked.get(st_ino)
+            if by_inode is not None:
+                return by_inode
         return self.policy.classify(path, is_dir)
 
     def remember(
@@ -106,8 +122,10 @@ class InodeTable:
         ino = self.fuse_ino(st_ino)
         entry = self._entries.get(ino)
         is_dir = stat.S_ISDIR(st_mode)
+        if not is_dir and st_ino in self._linked:
+            where = self._linked[st_ino]  # whatever verdict the caller's name got
         if entry is None:
-            entry = Entry(ino, st_ino, path, is_dir, where or self.policy.classify(path, is_dir))
+            entry = Entry(ino, st_ino, path, is_dir, where or self._judge(st_ino, path, is_dir))
             self._entries[ino] = entry
         elif entry.nameless and not entry.handles:
             # A new file under a reused inode number: a fresh entry, the kernel's count kept.
@@ -115,7 +133,7 @@ class InodeTable:
             entry.where = where or self.policy.classify(path, is_dir)
             entry.aliases.clear()
         elif entry.path != path:
-            where = where or self.policy.classify(path, is_dir)
+            where = where or self._judge(st_ino, path, is_dir)
             if is_dir or _STRICTNESS[where.scope] <= _STRICTNESS[entry.where.scope]:
                 entry.where = where
             if not is_dir:  # another hard link: the old name stays valid
@@ -169,7 +187,7 @@ class InodeTable:
                 entry.aliases.add(entry.path)
             entry.aliases.discard(new)
             entry.path = new
-            entry.where = self.policy.classify(new, False)
+            entry.where = self._judge(entry.backing_ino, new, False)
             return
         prefix = old + "/"
         for e in self._entries.values():
@@ -179,7 +197,7 @@ class InodeTable:
                 a.startswith(prefix) for a in e.aliases
             ):
                 e.rebase(old, new)
-                e.where = self.policy.classify(e.path, e.is_dir)
+                e.where = self._judge(e.backing_ino, e.path, e.is_dir)
 
     def exchanged(self, a: str, b: str) -> None:
         """RENAME_EXCHANGE swapped whatever lived at *a* and *b*."""
@@ -192,4 +210,4 @@ class InodeTable:
                     e.rebase(old, new)
         for e in self._entries.values():
             if not e.virtual and (e.path in (a, b) or e.path.startswith((a + "/", b + "/"))):
-                e.where = self.policy.classify(e.path, e.is_dir)
+                e.where = self._judge(e.backing_ino, e.path, e.is_dir)
