@@ -266,7 +266,7 @@ class SandboxSettings(_Strict):
         ),
     )
 
-    # ----- what the agent's process gets from the host (issue 12: runs) -----------------
+    # ----- what the agent's process gets from the host ------------------------------------
     env: list[Annotated[str, AfterValidator(_check_env_name)]] = Field(
         default_factory=list,
         description=(
