@@ -23,7 +23,7 @@ import stat
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import pyfuse3
 import trio
@@ -38,9 +38,12 @@ from guardfs.gate import Gate
 from guardfs.inodes import Entry, InodeTable
 from guardfs.manifest import Manifest
 from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope
-from guardfs.rename import check_carried, plan_rename
+from guardfs.rename import check_carried, check_git_update, plan_rename
 from guardfs.sessions import OpenFile, WriteSessions, invalidate_later
 from guardfs.virtual import GuardNode, default_state
+
+if TYPE_CHECKING:  # dulwich is imported only where a run judges git state
+    from guardfs.gitscope import GitScope
 
 __all__ = ["FD_RESERVE", "UNSUPPORTED", "GuardFS"]
 
@@ -141,8 +144,10 @@ class GuardFS(pyfuse3.Operations):
         checkpoint_dir: Path | None = None,
         xattrs: bool = False,
         policy: PathPolicy | None = None,
+        gitscope: GitScope | None = None,
     ) -> None:
         """Serve *backing* under *manifest*; *state_text* renders ``.guard/STATE.md``;
+        with *gitscope*, renames onto git's index and refs are judged for what they change;
         *policy* is the run's compiled policy (by default compiled here, looking whether
         ``.git/config`` exists now);
         with *checkpoint_dir*, pre-images are kept there for rollback. Without *xattrs*
@@ -164,6 +169,9 @@ class GuardFS(pyfuse3.Operations):
         self.xattrs = xattrs
         self.gate = Gate(self.policy, self.accounting, self.decider, events, manifest.limits)
         self.sessions = WriteSessions(self.gate, self.backing, manifest.limits)
+        self.gitscope = gitscope
+        if gitscope is not None:
+            self.gate.git_state = gitscope.refuse_direct
         self._files: dict[int, OpenFile] = {}
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if soft == resource.RLIM_INFINITY:
@@ -554,6 +562,10 @@ class GuardFS(pyfuse3.Operations):
             check_carried(self.gate, self.backing, request, src, dst)
             if exchange:
                 check_carried(self.gate, self.backing, request, dst, src)
+        if self.gitscope is not None:
+            def held() -> bool:
+                return any(f.writable and f.entry.path in (src, dst) for f in self._files.values())
+            check_git_update(self.gate, self.gitscope, request, (src, src_dir), (dst, dst_dir), exchange, held)
         await self._pre_move((src, src_st), (dst, dst_st))
         old_dir, old_name = self.backing.parent(src)
         new_dir, new_name = self.backing.parent(dst)

@@ -65,9 +65,11 @@ class PathPolicy:
     answer, read-only; whoever builds a guarded run looks and says (see sandbox.session).
     """
 
-    def __init__(self, manifest: Manifest, *, git_config_existed: bool = True) -> None:
+    def __init__(self, manifest: Manifest, *, git_config_existed: bool = True, hide_git: bool = False) -> None:
         self.manifest = manifest
         self.git_config_existed = git_config_existed
+        # paths.forbidden_in_git = "hide-git" and git tracks a forbidden path: .git/ is forbidden.
+        self.hide_git = hide_git
         paths = manifest.paths
         self._forbidden = pathspec.GitIgnoreSpec.from_lines(paths.forbidden)
         self._allowed = pathspec.GitIgnoreSpec.from_lines(paths.allowed)
@@ -81,6 +83,8 @@ class PathPolicy:
         probe = path + "/" if is_dir else path
         if path == GUARD_DIR or path.startswith(GUARD_DIR + "/"):
             return Classification(Scope.PROTECTED, "built-in: the guard's own files")
+        if self.hide_git and (path == ".git" or path.startswith(".git/")):
+            return Classification(Scope.FORBIDDEN, "paths.forbidden_in_git", "hide-git")
         hit = self._forbidden.check_file(probe)
         if hit.include and hit.index is not None:
             return Classification(

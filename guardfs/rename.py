@@ -12,6 +12,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from guardfs.backing import Backing
 from guardfs.decision import Request, Verdict
@@ -19,7 +21,10 @@ from guardfs.gate import Commit, Gate
 from guardfs.policy import Classification, Scope
 from guardfs.sessions import read_small
 
-__all__ = ["check_carried", "plan_rename"]
+if TYPE_CHECKING:  # dulwich is imported only where git state is judged
+    from guardfs.gitscope import GitScope
+
+__all__ = ["check_carried", "check_git_update", "plan_rename"]
 
 # What a moving directory may not hold, nor bring a name of its own under.
 _NOT_CARRIED = (Scope.FORBIDDEN, Scope.PROTECTED, Scope.GIT_CONFIG)
@@ -73,3 +78,20 @@ def check_carried(gate: Gate, backing: Backing, request: Request, src: str, dst:
                     False, where.key, where.pattern, err,
                     f"moving {src} to {dst} would carry {path} ({where.describe()})",
                 ))
+
+
+def check_git_update(
+    gate: Gate, scope: GitScope, request: Request, src: tuple[str, bool], dst: tuple[str, bool],
+    exchange: bool, held_open: Callable[[], bool],
+) -> None:
+    """Refuse a rename that would update git's index or a ref so that a path the task may not
+    write changes (see :mod:`guardfs.gitscope`); the denial reaches the decider (the breaker)
+    as any refused write does. *src* and *dst* are (path, is a directory); *held_open* says
+    whether either is open for writing."""
+    verdict = scope.judge_rename(src[0], dst[0], src[1], held_open)
+    if verdict is None and exchange:
+        verdict = scope.judge_rename(dst[0], src[0], dst[1], held_open)
+    if verdict is None:
+        return
+    final = gate.decider.decide(request, verdict)
+    gate.deny(request, verdict if final.allow else final)  # a decider never loosens a denial
