@@ -37,7 +37,7 @@ from guardfs.events import EventLog
 from guardfs.gate import Gate
 from guardfs.inodes import Entry, InodeTable
 from guardfs.manifest import Manifest
-from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope
+from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope, is_git_state
 from guardfs.rename import check_carried, check_git_update, plan_rename
 from guardfs.sessions import OpenFile, WriteSessions, invalidate_later
 from guardfs.virtual import GuardNode, default_state
@@ -170,8 +170,6 @@ class GuardFS(pyfuse3.Operations):
         self.gate = Gate(self.policy, self.accounting, self.decider, events, manifest.limits)
         self.sessions = WriteSessions(self.gate, self.backing, manifest.limits)
         self.gitscope = gitscope
-        if gitscope is not None:
-            self.gate.git_state = gitscope.refuse_direct
         self._files: dict[int, OpenFile] = {}
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if soft == resource.RLIM_INFINITY:
@@ -507,7 +505,11 @@ class GuardFS(pyfuse3.Operations):
         _, path = self._child(parent_inode, name)
         self.gate.refuse_guard_names("unlink", path)
         st = self.backing.lstat(path)
-        request = self.gate.ask("unlink", path, self._where(path, st, False))
+        # git deletes refs (git branch -d, pack-refs): a ref no longer there changes no path.
+        where = self._where(path, st, False)
+        if self.gitscope is not None and is_git_state(path):
+            where = self.policy.git_state_update(path)
+        request = self.gate.ask("unlink", path, where)
         await self._pre(path)
         dir_fd, n = self.backing.parent(path)
         os.unlink(n, dir_fd=dir_fd)
@@ -551,10 +553,13 @@ class GuardFS(pyfuse3.Operations):
         dst_dir = dst_st is not None and stat.S_ISDIR(dst_st.st_mode)
         exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
         # What the destination name becomes: the moving object's kind decides dir patterns.
+        dst_where = self._where(dst, dst_st, src_dir)
+        if self.gitscope is not None and not src_dir and is_git_state(dst):
+            dst_where = self.policy.git_state_update(dst)  # judged below for what it changes
         request, commit = plan_rename(
             self.gate, self.backing,
             (src, src_st, self._where(src, src_st, src_dir)),
-            (dst, dst_st, self._where(dst, dst_st, src_dir)),
+            (dst, dst_st, dst_where),
             exchange,
         )
         self.gate.check(request)

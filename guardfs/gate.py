@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -70,8 +69,6 @@ class Gate:
         self.decider = decider
         self.events = events
         self.limits = limits
-        #: Refuses in-place writes of git's index and refs (guardfs.gitscope), when set.
-        self.git_state: Callable[[Request], Verdict | None] | None = None
 
     # ----- before the syscall ------------------------------------------------------
 
@@ -83,8 +80,6 @@ class Gate:
     def check(self, request: Request) -> None:
         """Judge *request*; on denial record the event and raise its errno."""
         policy = policy_verdict(request)
-        if policy.allow and request.mutating and self.git_state is not None:
-            policy = self.git_state(request) or policy
         verdict = self.decider.decide(request, policy)
         if not policy.allow and verdict.allow:
             verdict = policy  # a decider may tighten the policy, never loosen it

@@ -14,7 +14,8 @@ of those files, which git never does, is refused outright so the rename stays th
 What a path not in scope may hold in a new index or tree is its *baseline*: its entry in
 the index or in HEAD's tree at the start, or the file as it is on disk now (which the agent
 cannot change). Only the workspace's own ``.git`` directory is judged; the paths it tracks
-are the workspace's paths.
+are the workspace's paths. The policy (``git_state_locked``) makes those files read-only to
+every other mutation, so the hook and the mount give one answer.
 
 At start the guard also lists the forbidden paths git tracks (in HEAD and the index):
 their contents are in git's object store, readable with ``git show`` whatever the mount
@@ -39,11 +40,11 @@ from dulwich.objects import Commit, ObjectID, ShaFile, Tag, Tree
 from dulwich.refs import read_packed_refs_with_peeled
 
 from guardfs.backing import openat2
-from guardfs.decision import ERRNO_FORBIDDEN, ERRNO_READ_ONLY, Request, Verdict
+from guardfs.decision import ERRNO_FORBIDDEN, ERRNO_READ_ONLY, Verdict
 from guardfs.errors import Exit, GuardError
-from guardfs.policy import Classification, PathPolicy, Scope
+from guardfs.policy import Classification, PathPolicy, Scope, is_git_state
 
-__all__ = ["ForbiddenInGitError", "GitScope", "is_git_state"]
+__all__ = ["ForbiddenInGitError", "GitScope"]
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,6 @@ INDEX = ".git/index"
 HEAD = ".git/HEAD"
 PACKED_REFS = ".git/packed-refs"
 REFS = ".git/refs"
-#: Mutations that would change a git state file in place, or give it a second name.
-_DIRECT = frozenset({"open", "create", "truncate", "symlink", "mknod", "link"})
 _GIT_STATE = Classification(Scope.PROTECTED, "built-in: git's index and refs change only through their lock files")
 #: Objects a check follows at most (tag chains, nested trees): a bound on the guard's work.
 _MAX_PEEL = 16
@@ -67,12 +66,6 @@ class ForbiddenInGitError(GuardError):
     """Git tracks forbidden paths and ``paths.forbidden_in_git = "refuse"``: the run does not start."""
 
     exit_code = Exit.DATAERR
-
-
-def is_git_state(path: str) -> bool:
-    """Whether *path* is a file git only ever replaces through a lock file: the index,
-    HEAD, packed-refs or a ref under refs/."""
-    return path in (INDEX, HEAD, PACKED_REFS) or (path.startswith(REFS + "/") and not path.endswith(".lock"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,18 +187,6 @@ class GitScope:
             os.close(dir_fd)
 
     # ----- judging an update -------------------------------------------------------
-
-    def refuse_direct(self, request: Request) -> Verdict | None:
-        """The denial of writing git state in place (git never does: it renames a lock file
-        over it, and that rename is judged), or of a hard link to or from it."""
-        if request.op not in _DIRECT:
-            return None
-        for path in (request.path, request.target):
-            if path is not None and is_git_state(path):
-                return _deny(path, _GIT_STATE, ERRNO_READ_ONLY, (
-                    f"{path} is git state: {request.op} in place is refused; git updates it by "
-                    "renaming its .lock file over it, which the guard checks"))
-        return None
 
     def judge_rename(
         self, src: str, dst: str, src_is_dir: bool, held_open: Callable[[], bool] = lambda: False,

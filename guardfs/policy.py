@@ -15,7 +15,7 @@ import pathspec
 
 from guardfs.manifest import Manifest
 
-__all__ = ["GUARD_DIR", "Classification", "PathPolicy", "Scope"]
+__all__ = ["GUARD_DIR", "Classification", "PathPolicy", "Scope", "is_git_state"]
 
 #: The guard's own directory at the workspace root; never writable by the agent.
 GUARD_DIR = ".guard"
@@ -24,6 +24,14 @@ GUARD_DIR = ".guard"
 # hook is never run by git, so letting git create it keeps `git init` working.
 _SAMPLE_HOOK = re.compile(r"^\.git/hooks/[^/]+\.sample$")
 _GIT_CONFIG_RULE = "built-in: .git/config is read-only if it existed when the guard started"
+_GIT_STATE_RULE = "built-in: git's index and refs change only by renaming their lock files over them"
+
+
+def is_git_state(path: str) -> bool:
+    """Whether *path* is a file git only ever replaces by renaming a lock file over it: the
+    index, HEAD, packed-refs or a ref under refs/ (see guardfs.gitscope)."""
+    return path in (".git/index", ".git/HEAD", ".git/packed-refs") or (
+        path.startswith(".git/refs/") and not path.endswith(".lock"))
 
 
 class Scope(enum.Enum):
@@ -65,11 +73,17 @@ class PathPolicy:
     answer, read-only; whoever builds a guarded run looks and says (see sandbox.session).
     """
 
-    def __init__(self, manifest: Manifest, *, git_config_existed: bool = True, hide_git: bool = False) -> None:
+    def __init__(
+        self, manifest: Manifest, *, git_config_existed: bool = True, hide_git: bool = False,
+        git_state_locked: bool = False,
+    ) -> None:
         self.manifest = manifest
         self.git_config_existed = git_config_existed
         # paths.forbidden_in_git = "hide-git" and git tracks a forbidden path: .git/ is forbidden.
         self.hide_git = hide_git
+        # A run that judges git's updates (guardfs.gitscope): its index and refs are read-only
+        # but for the lock-file rename (and the unlink) that the mount judges itself.
+        self.git_state_locked = git_state_locked
         paths = manifest.paths
         self._forbidden = pathspec.GitIgnoreSpec.from_lines(paths.forbidden)
         self._allowed = pathspec.GitIgnoreSpec.from_lines(paths.allowed)
@@ -99,6 +113,8 @@ class PathPolicy:
                 return Classification(Scope.GIT_CONFIG, _GIT_CONFIG_RULE)
             return self._git_internal()
         if path == ".git" or path.startswith(".git/"):
+            if self.git_state_locked and self._git_writable and not is_dir and is_git_state(path):
+                return Classification(Scope.PROTECTED, _GIT_STATE_RULE)
             return self._git_internal()
         hit = self._allowed.check_file(probe)
         if hit.include and hit.index is not None:
@@ -112,6 +128,15 @@ class PathPolicy:
             # comes to exist. It counts as a directory, so not toward the blast radius.
             return Classification(Scope.ALLOWED, "paths.allowed (parent directory)")
         return Classification(Scope.OUT_OF_SCOPE, "not in paths.allowed")
+
+    def git_state_update(self, path: str) -> Classification:
+        """What renaming git's lock file over *path* (or unlinking it) is judged as: writable
+        git internals when the mount judges what it changes (a locked git state path), else
+        the path's own classification."""
+        where = self.classify(path, False)
+        if where.key == _GIT_STATE_RULE:
+            return self._git_internal()
+        return where
 
     def _git_internal(self) -> Classification:
         if self._git_writable:
@@ -130,6 +155,7 @@ class PathPolicy:
             f"  {GUARD_DIR}/              read-only (the guard's own files)",
             "  .git/hooks/          read-only (git may create *.sample templates)",
             "  .git/config          read-only if it existed when the mount started",
+            "  .git/index, refs     changed only by git's lock-file rename, judged for what it changes",
             f"  .git/ (the rest)     {m.paths.git_internals}, not counted toward limits",
             "forbidden (no read, no write; EACCES):",
             *(f"  {p}" for p in m.paths.forbidden or ["(none)"]),

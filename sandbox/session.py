@@ -82,7 +82,7 @@ class Session:
         self.manifest = manifest
         self.events = events
         self.run_dir = run_dir
-        self.policy = PathPolicy(manifest, git_config_existed=git_config_exists(workspace))
+        self.policy = PathPolicy(manifest, git_config_existed=git_config_exists(workspace), git_state_locked=True)
         #: What ``guard run`` says at start (the forbidden paths git tracks, under "warn"/"hide-git").
         self.notices: list[str] = []
         self.gitscope = self._git_scope(manifest, workspace)
@@ -128,7 +128,8 @@ class Session:
                 'or set [paths] forbidden_in_git = "hide-git" (git unusable in the run) or "warn" '
                 "(run with them readable through git)")
         if mode == "hide-git":
-            self.policy = PathPolicy(manifest, git_config_existed=self.policy.git_config_existed, hide_git=True)
+            self.policy = PathPolicy(manifest, git_config_existed=self.policy.git_config_existed, hide_git=True,
+                                     git_state_locked=True)
             scope.policy = self.policy
             self.notices.append(f"git tracks forbidden path(s) {shown}: .git/ is forbidden to the agent "
                                 "in this run (paths.forbidden_in_git = \"hide-git\"); git does not work here")
