@@ -25,7 +25,10 @@ from typing import Any
 
 import pytest
 
-from .helpers import git_env
+from sandbox.breaker.client import GuardClient
+
+from .helpers import FIX_TAX, git_env
+from .mounts import guarded_mount
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
 
@@ -197,3 +200,58 @@ def test_an_untracked_secret_runs_unchanged_under_the_default(tmp_path: Path) ->
     assert "git tracks forbidden" not in proc.stderr
     assert _moves(run_dir)["show"] != 0  # not in git: nothing to show
     assert os.path.exists(ws / ".env")
+
+
+@pytest.mark.mount
+def test_packed_refs_baseline_and_a_lock_held_open(tmp_path: Path) -> None:
+    """Through a guarded mount (no sandbox): a forged commit moved in by packed-refs is
+    refused; staging an out-of-scope file as it is on disk (the host's own edit) is not a
+    change; a lock file still open for writing cannot be renamed over the index."""
+
+    backing = tmp_path / "backing"
+    (backing / "src/checkout").mkdir(parents=True)
+    (backing / "README.md").write_text("readme\n")
+    (backing / "src/checkout/tax.py").write_text("x = 1\n")
+    env = git_env(tmp_path)
+    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-qm", "init"]):
+        subprocess.run(["git", *args], cwd=backing, check=True, env=env)
+    (backing / "README.md").write_text("readme, edited by the host\n")  # dirty, out of scope
+    with guarded_mount(tmp_path, FIX_TAX, run_dir=tmp_path / "run") as g:
+        assert g.daemon is not None
+        def git(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(["git", *args], cwd=g.mnt, env=env, capture_output=True, text=True)
+        assert git("add", "README.md").returncode == 0  # its on-disk content: the baseline
+        assert git("reset", "-q", "README.md").returncode == 0
+        forged = subprocess.run(["git", "hash-object", "-w", "--stdin"], cwd=g.mnt, env=env, input="owned\n",
+                                capture_output=True, text=True, check=True).stdout.strip()
+        other = {**env, "GIT_INDEX_FILE": str(tmp_path / "other-index")}
+        subprocess.run(["git", "read-tree", "HEAD"], cwd=g.mnt, env=other, check=True)
+        subprocess.run(["git", "update-index", "--cacheinfo", f"100644,{forged},README.md"], cwd=g.mnt, env=other,
+                       check=True)
+        tree = subprocess.run(["git", "write-tree"], cwd=g.mnt, env=other, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        commit = git("commit-tree", tree, "-p", "HEAD", "-m", "innocent").stdout.strip()
+        assert commit
+        packed = g.mnt / ".git/packed-refs"
+        (g.mnt / ".git/packed-refs.lock").write_text(f"{commit} refs/heads/evil\n")
+        with pytest.raises(OSError) as refused:
+            os.rename(g.mnt / ".git/packed-refs.lock", packed)
+        assert refused.value.errno == 30  # EROFS
+        assert not packed.exists()
+        assert g.session.breaker.trips[-1].rule.value == "scope_spill"
+        with GuardClient(g.daemon.control_path) as operator:
+            assert operator.approve()["allow"]  # judged afresh below
+        # The index lock held open for writing: refused, whatever it holds now.
+        (g.mnt / ".git/index").read_bytes()
+        with open(g.mnt / ".git/index.lock", "wb") as f:
+            f.write((g.mnt / ".git/index").read_bytes())
+            f.flush()
+            with pytest.raises(OSError):
+                os.rename(g.mnt / ".git/index.lock", g.mnt / ".git/index")
+        with GuardClient(g.daemon.control_path) as operator:
+            assert operator.approve()["allow"]
+        os.unlink(g.mnt / ".git/index.lock")
+        assert git("status", "--porcelain").returncode == 0
+    host = subprocess.run(["git", "for-each-ref", "--format=%(refname) %(subject)"], cwd=backing, env=env,
+                          capture_output=True, text=True, check=True).stdout
+    assert host == "refs/heads/main init\n"  # no ref names the forged commit
