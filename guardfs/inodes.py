@@ -46,6 +46,10 @@ class Entry:
     virtual: bool = False  # served by guardfs itself (.guard/), never forgotten
     # The file's other known names (hard links); `path` is the one most recently learnt.
     aliases: set[str] = field(default_factory=set)
+    # Its last known name is gone: once the file is gone too, the filesystem may give its
+    # inode number to a new file (git replaces .git/index on every update), which is that
+    # new file, classified by its own name, not a hard link of the old one.
+    unnamed: bool = False
 
     def rebase(self, old: str, new: str) -> None:
         """Names at or below *old* now live below *new* (a directory moved)."""
@@ -90,7 +94,7 @@ class InodeTable:
     def classify(self, st_ino: int, is_dir: bool, path: str) -> Classification:
         """The verdict for *path*: the cached one when the inode is known under that path."""
         entry = self._entries.get(self.fuse_ino(st_ino))
-        if entry is not None and entry.path == path:
+        if entry is not None and entry.path == path and not entry.unnamed:
             return entry.where
         return self.policy.classify(path, is_dir)
 
@@ -104,6 +108,10 @@ class InodeTable:
         if entry is None:
             entry = Entry(ino, st_ino, path, is_dir, where or self.policy.classify(path, is_dir))
             self._entries[ino] = entry
+        elif entry.unnamed:
+            entry.where = where or self.policy.classify(path, is_dir)
+            entry.path, entry.unnamed = path, False
+            entry.aliases.clear()
         elif entry.path != path:
             where = where or self.policy.classify(path, is_dir)
             if is_dir or _STRICTNESS[where.scope] <= _STRICTNESS[entry.where.scope]:
@@ -143,6 +151,7 @@ class InodeTable:
         """The name *path* of *entry* is gone (unlinked, or replaced by a rename)."""
         if entry.path == path:
             if not entry.aliases:
+                entry.unnamed = True
                 return  # its last known name: the entry lives on only through open handles
             entry.path = min(entry.aliases)
         entry.aliases.discard(path)
@@ -157,7 +166,7 @@ class InodeTable:
             if entry.path != old:
                 entry.aliases.add(entry.path)
             entry.aliases.discard(new)
-            entry.path = new
+            entry.path, entry.unnamed = new, False
             entry.where = self.policy.classify(new, False)
             return
         prefix = old + "/"
