@@ -23,7 +23,7 @@ import stat
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import pyfuse3
 import trio
@@ -38,10 +38,13 @@ from guardfs.gate import Gate
 from guardfs.inodes import Entry, InodeTable
 from guardfs.links import forbidden_links
 from guardfs.manifest import Manifest
-from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope
-from guardfs.rename import check_carried, check_config_landing, plan_rename
+from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope, is_git_state
+from guardfs.rename import check_carried, check_config_landing, check_git_update, plan_rename
 from guardfs.sessions import OpenFile, WriteSessions, invalidate_later
 from guardfs.virtual import GuardNode, default_state
+
+if TYPE_CHECKING:  # dulwich is imported only where a run judges git state
+    from guardfs.gitscope import GitScope
 
 __all__ = ["FD_RESERVE", "UNSUPPORTED", "GuardFS"]
 
@@ -142,8 +145,10 @@ class GuardFS(pyfuse3.Operations):
         checkpoint_dir: Path | None = None,
         xattrs: bool = False,
         policy: PathPolicy | None = None,
+        gitscope: GitScope | None = None,
     ) -> None:
         """Serve *backing* under *manifest*; *state_text* renders ``.guard/STATE.md``;
+        with *gitscope*, renames onto git's index and refs are judged for what they change;
         *policy* is the run's compiled policy (by default compiled here, looking whether
         ``.git/config`` exists now);
         with *checkpoint_dir*, pre-images are kept there for rollback. Without *xattrs*
@@ -167,6 +172,7 @@ class GuardFS(pyfuse3.Operations):
         self.xattrs = xattrs
         self.gate = Gate(self.policy, self.accounting, self.decider, events, manifest.limits)
         self.sessions = WriteSessions(self.gate, self.backing, manifest.limits)
+        self.gitscope = gitscope
         self._files: dict[int, OpenFile] = {}
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if soft == resource.RLIM_INFINITY:
@@ -503,7 +509,11 @@ class GuardFS(pyfuse3.Operations):
         _, path = self._child(parent_inode, name)
         self.gate.refuse_guard_names("unlink", path)
         st = self.backing.lstat(path)
-        request = self.gate.ask("unlink", path, self._where(path, st, False))
+        # git deletes refs (git branch -d, pack-refs): a ref no longer there changes no path.
+        where = self._where(path, st, False)
+        if self.gitscope is not None and is_git_state(path):
+            where = self.policy.git_state_update(path)
+        request = self.gate.ask("unlink", path, where)
         await self._pre(path)
         dir_fd, n = self.backing.parent(path)
         os.unlink(n, dir_fd=dir_fd)
@@ -548,8 +558,12 @@ class GuardFS(pyfuse3.Operations):
         exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
         # What the destination name becomes: the moving object's kind decides dir patterns.
         dst_where = self._where(dst, dst_st, src_dir)
+        if self.gitscope is not None and not src_dir and is_git_state(dst):
+            dst_where = self.policy.git_state_update(dst)  # judged below for what it changes
         request, commit = plan_rename(
-            self.gate, self.backing, (src, src_st, self._where(src, src_st, src_dir)), (dst, dst_st, dst_where),
+            self.gate, self.backing,
+            (src, src_st, self._where(src, src_st, src_dir)),
+            (dst, dst_st, dst_where),
             exchange,
         )
         self.gate.check(request)
@@ -561,6 +575,10 @@ class GuardFS(pyfuse3.Operations):
             entry = self.inodes.get(self.inodes.fuse_ino(src_st.st_ino))
             writers = entry is not None and any(self._files[fd].writable for fd in entry.handles)
             await check_config_landing(self.gate, self.backing, request, (src, src_st), exchange, writers)
+        if self.gitscope is not None:
+            def held() -> bool:
+                return any(f.writable and f.entry.path in (src, dst) for f in self._files.values())
+            check_git_update(self.gate, self.gitscope, request, (src, src_dir), (dst, dst_dir), exchange, held)
         await self._pre_move((src, src_st), (dst, dst_st))
         old_dir, old_name = self.backing.parent(src)
         new_dir, new_name = self.backing.parent(dst)

@@ -103,7 +103,7 @@ class InodeTable:
     def classify(self, st_ino: int, is_dir: bool, path: str) -> Classification:
         """The verdict for *path*: the cached one when the inode is known under that path."""
         entry = self._entries.get(self.fuse_ino(st_ino))
-        if entry is not None and entry.path == path:
+        if entry is not None and entry.path == path and not entry.nameless:
             return entry.where
         return self._judge(st_ino, path, is_dir)
 
@@ -186,7 +186,7 @@ class InodeTable:
             if entry.path != old:
                 entry.aliases.add(entry.path)
             entry.aliases.discard(new)
-            entry.path = new
+            entry.path, entry.nameless = new, False
             entry.where = self._judge(entry.backing_ino, new, False)
             return
         prefix = old + "/"

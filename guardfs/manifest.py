@@ -132,6 +132,17 @@ class Paths(_Strict):
             "the limits. .git/hooks/ and an existing .git/config are read-only either way."
         ),
     )
+    forbidden_in_git: Literal["refuse", "hide-git", "warn"] = Field(
+        default="refuse",
+        description=(
+            "What guard does when git tracks a forbidden path (in HEAD or the index) at start: "
+            "its content is then readable through git's object store (git show HEAD:.env) "
+            "whatever the mount refuses. 'refuse' (the default): do not start, naming them. "
+            "'hide-git': run with .git/ forbidden to the agent (git does not work in the "
+            "workspace). 'warn': run, and say at start that their contents are readable "
+            "through git. When git tracks no forbidden path, every mode runs unchanged."
+        ),
+    )
 
 
 class Limits(_Strict):

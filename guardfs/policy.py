@@ -16,7 +16,7 @@ import pathspec
 from guardfs.gitguard import GitRole, git_role
 from guardfs.manifest import Manifest
 
-__all__ = ["GIT_GUARDED_RULE", "GUARD_DIR", "Classification", "PathPolicy", "Scope"]
+__all__ = ["GIT_GUARDED_RULE", "GUARD_DIR", "Classification", "PathPolicy", "Scope", "is_git_state"]
 
 #: The guard's own directory at the workspace root; never writable by the agent.
 GUARD_DIR = ".guard"
@@ -28,6 +28,14 @@ _ANCHOR_RULE = "built-in: a repository's .git and hooks directories are never re
 _REDIRECT_RULE = "built-in: git files that point git elsewhere are read-only"
 #: The rule of a repository's config made during the run: git may write it, checked.
 GIT_GUARDED_RULE = "built-in: a git config that runs programs"
+_GIT_STATE_RULE = "built-in: git's index and refs change only by renaming their lock files over them"
+
+
+def is_git_state(path: str) -> bool:
+    """Whether *path* is a file git only ever replaces by renaming a lock file over it: the
+    index, HEAD, packed-refs or a ref under refs/ (see guardfs.gitscope)."""
+    return path in (".git/index", ".git/HEAD", ".git/packed-refs") or (
+        path.startswith(".git/refs/") and not path.endswith(".lock"))
 
 
 class Scope(enum.Enum):
@@ -71,14 +79,21 @@ class PathPolicy:
     answer, read-only; whoever builds a guarded run looks and says (see sandbox.session).
     """
 
-    def __init__(self, manifest: Manifest, *, git_config_existed: bool = True,
-                 started_ns: int | None = None) -> None:
+    def __init__(
+        self, manifest: Manifest, *, git_config_existed: bool = True, started_ns: int | None = None,
+        hide_git: bool = False, git_state_locked: bool = False,
+    ) -> None:
         self.manifest = manifest
         self.git_config_existed = git_config_existed
         #: When the guard started: a repository's config changed no later than this was
         #: there before the run (file times lag the clock by a tick at most, in that
         #: direction: a file from before the start never looks newer).
         self.started_ns = time.time_ns() if started_ns is None else started_ns
+        # paths.forbidden_in_git = "hide-git" and git tracks a forbidden path: .git/ is forbidden.
+        self.hide_git = hide_git
+        # A run that judges git's updates (guardfs.gitscope): its index and refs are read-only
+        # but for the lock-file rename (and the unlink) that the mount judges itself.
+        self.git_state_locked = git_state_locked
         paths = manifest.paths
         self._forbidden = pathspec.GitIgnoreSpec.from_lines(paths.forbidden)
         self._allowed = pathspec.GitIgnoreSpec.from_lines(paths.allowed)
@@ -92,6 +107,8 @@ class PathPolicy:
         probe = path + "/" if is_dir else path
         if path == GUARD_DIR or path.startswith(GUARD_DIR + "/"):
             return Classification(Scope.PROTECTED, "built-in: the guard's own files")
+        if self.hide_git and (path == ".git" or path.startswith(".git/")):
+            return Classification(Scope.FORBIDDEN, "paths.forbidden_in_git", "hide-git")
         hit = self._forbidden.check_file(probe)
         if hit.include and hit.index is not None:
             return Classification(
@@ -99,6 +116,8 @@ class PathPolicy:
             )
         role = git_role(path) if ".git" in path else None
         if path == ".git" or path.startswith(".git/"):
+            if self.git_state_locked and self._git_writable and not is_dir and is_git_state(path):
+                return Classification(Scope.PROTECTED, _GIT_STATE_RULE)
             base = self._git_internal()
         else:
             base = self._by_allowed(path, probe, is_dir)
@@ -143,6 +162,15 @@ class PathPolicy:
             return Classification(Scope.ALLOWED, "paths.allowed (parent directory)")
         return Classification(Scope.OUT_OF_SCOPE, "not in paths.allowed")
 
+    def git_state_update(self, path: str) -> Classification:
+        """What renaming git's lock file over *path* (or unlinking it) is judged as: writable
+        git internals when the mount judges what it changes (a locked git state path), else
+        the path's own classification."""
+        where = self.classify(path, False)
+        if where.key == _GIT_STATE_RULE:
+            return self._git_internal()
+        return where
+
     def _git_internal(self) -> Classification:
         if self._git_writable:
             return Classification(Scope.GIT_INTERNAL, "built-in: git internals")
@@ -165,6 +193,7 @@ class PathPolicy:
             "                       objects/info/alternates read-only; config and",
             "                       config.worktree read-only if they existed, else written",
             "                       only by git and refused if they would run a program",
+            "  .git/index, refs     changed only by git's lock-file rename, judged for what it changes",
             f"  .git/ (the rest)     {m.paths.git_internals}, not counted toward limits",
             "forbidden (no read, no write; EACCES):",
             *(f"  {p}" for p in m.paths.forbidden or ["(none)"]),

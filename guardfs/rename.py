@@ -12,7 +12,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import NoReturn
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn
 
 import trio
 
@@ -23,7 +24,10 @@ from guardfs.gitguard import MAX_CONFIG_BYTES, config_problems
 from guardfs.policy import GIT_GUARDED_RULE, Classification, Scope
 from guardfs.sessions import read_small
 
-__all__ = ["check_carried", "check_config_landing", "plan_rename"]
+if TYPE_CHECKING:  # dulwich is imported only where git state is judged
+    from guardfs.gitscope import GitScope
+
+__all__ = ["check_carried", "check_config_landing", "check_git_update", "plan_rename"]
 
 # What a moving directory may not hold, nor bring a name of its own under.
 # A repository's anchors and configs stay where they are: no prepared tree is moved into
@@ -115,3 +119,20 @@ async def check_config_landing(
         refuse(f"the new config sets {', '.join(problems)}, which would make git run a program (or read "
                "configuration from elsewhere) on the host when someone next uses this repository; "
                "refused by the guard, set only what git needs (user, remote, branch)")
+
+
+def check_git_update(
+    gate: Gate, scope: GitScope, request: Request, src: tuple[str, bool], dst: tuple[str, bool],
+    exchange: bool, held_open: Callable[[], bool],
+) -> None:
+    """Refuse a rename that would update git's index or a ref so that a path the task may not
+    write changes (see :mod:`guardfs.gitscope`); the denial reaches the decider (the breaker)
+    as any refused write does. *src* and *dst* are (path, is a directory); *held_open* says
+    whether either is open for writing."""
+    verdict = scope.judge_rename(src[0], dst[0], src[1], held_open)
+    if verdict is None and exchange:
+        verdict = scope.judge_rename(dst[0], src[0], dst[1], held_open)
+    if verdict is None:
+        return
+    final = gate.decider.decide(request, verdict)
+    gate.deny(request, verdict if final.allow else final)  # a decider never loosens a denial

@@ -72,8 +72,10 @@ BUILT_INS = {
     ".git/config": False,  # existed at the start: read-only
     ".git/hooks/pre-commit": False,  # hooks are read-only
     ".git/hooks/pre-commit.sample": True,  # git init's templates
-    ".git/HEAD": True,  # the rest of git's internals are writable
-    ".git/refs/heads/main": True,
+    ".git/HEAD": False,  # git state: only git's lock-file rename, judged for what it changes
+    ".git/refs/heads/main": False,
+    ".git/refs/heads/main.lock": True,  # the rest of git's internals are writable
+    ".git/COMMIT_EDITMSG": True,
     ".guard/notes": False,  # the guard's own directory
     ".guard/STATE.md": False,
     ".env": False,  # paths.forbidden

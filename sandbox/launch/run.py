@@ -136,6 +136,8 @@ def run(opts: RunOptions) -> int:
     (run_dir / "workspace").write_text(str(opts.workspace))  # for an offline guard rollback
     session = Session(opts.manifest, opts.workspace, events, run_dir=run_dir, agent_path=stage / "agent.sock",
                       checkpoints=True, cache_timeout=opts.cache_timeout, xattrs=opts.xattrs)
+    for notice in session.notices:
+        _say(notice)
     breaker, accounting = session.breaker, session.accounting
     try:
         session.prepare()
