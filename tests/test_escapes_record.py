@@ -26,8 +26,10 @@ from guardfs.accounting import WriteAccounting
 from guardfs.decision import Request, policy_verdict
 from guardfs.manifest import parse_manifest
 from sandbox.breaker import Breaker, State
+from sandbox.breaker.client import GuardClient, GuardClientError
 
 from .helpers import FIX_TAX, state_of
+from .mounts import guarded_mount
 from .test_run import UNPRIVILEGED_PYTHON, _copy_installation
 
 ORIGINAL_TAX = "def total(x):\n    return x\n"
@@ -312,3 +314,42 @@ def test_a_passing_test_counts_once_per_real_change() -> None:
     b.step(tokens_in=300)
     b.tool_result("Bash", 0, "pytest")
     assert b.snapshot()["tokens"]["since_progress"] == 300
+
+
+# ----- the same, with the guard live: the control socket's rollback --------------------------
+
+
+@pytest.mark.mount
+def test_live_rollback_to_a_point_and_a_tampered_index(tmp_path: Path) -> None:
+    """With the guard serving: forged tests through the agent socket, then the operator's
+    rollback to a label, to the last point and to the start; a tampered index is refused
+    (the guard says why, restores nothing, and serves on)."""
+    (tmp_path / "backing/src/checkout").mkdir(parents=True)
+    tax = tmp_path / "backing/src/checkout/tax.py"
+    tax.write_text(ORIGINAL_TAX)
+    # Five versions of one file: more rewrites than the default allows.
+    manifest = FIX_TAX + "[limits]\nmax_rewrites = 20\n"
+    with guarded_mount(tmp_path, manifest, run_dir=tmp_path / "run", checkpoints=True) as g:
+        assert g.daemon is not None
+        mine = g.mnt / "src/checkout/tax.py"
+        with GuardClient(g.daemon.agent_path) as agent, GuardClient(g.daemon.control_path) as operator:
+            agent.tool_result("Bash", 0, "pytest")  # nothing changed yet: the start takes the label
+            mine.write_text("v1\n")
+            assert operator.checkpoint("green")["ok"]
+            mine.write_text("v2\n")
+            agent.tool_result("Bash", 0, "pytest")  # forged: a point, never a loss of the earlier ones
+            mine.write_text("v3\n")
+            assert operator.request({"type": "rollback", "to": "last"})["restored"] == 1
+            assert tax.read_text() == "v2\n"
+            assert operator.request({"type": "rollback", "to": "green"})["restored"] == 1
+            assert tax.read_text() == "v1\n"
+            mine.write_text("v4\n")
+            index = tmp_path / "run/checkpoint/0000/index.jsonl"
+            with open(index, "a") as f:  # as a local user would, had the directory let them
+                f.write(json.dumps({"path": "leak", "kind": "file", "mode": 0o644, "blob": "/etc/shadow"}) + "\n")
+            with pytest.raises(GuardClientError, match=r"index.jsonl:\d+: refusing the checkpoint index"):
+                operator.request({"type": "rollback", "to": "start"})
+            assert not (g.backing / "leak").exists() and tax.read_text() == "v4\n"
+            with pytest.raises(GuardClientError, match="no restore point is labelled 'red'"):
+                operator.request({"type": "rollback", "to": "red"})
+            assert operator.status()["state"] == "CLOSED"
