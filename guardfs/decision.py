@@ -84,6 +84,13 @@ def _deny(where: Classification, err: int, reason: str) -> Verdict:
 
 
 _WRITABLE = frozenset({Scope.ALLOWED, Scope.GIT_INTERNAL})
+# A repository's .git and hooks directories may be made (git init) and removed when empty:
+# what git would run can then only come from names that are policed themselves.
+_ANCHOR_OPS = frozenset({"mkdir", "rmdir", "chmod", "chown", "utimes"})
+# A config made during the run is written by git's lock-file rename, whose content the
+# filesystem checks (guardfs.gitguard), or removed; never written in place. Its mode may
+# change: git init tests whether the filesystem keeps the x bit on it.
+_GUARDED_OPS = frozenset({"rename", "unlink", "chmod", "chown", "utimes"})
 
 
 def policy_verdict(request: Request) -> Verdict:
@@ -101,6 +108,14 @@ def policy_verdict(request: Request) -> Verdict:
     if not request.mutating:
         return ALLOW
     for path, where in checks:
+        if where.scope is Scope.GIT_ANCHOR and request.op not in _ANCHOR_OPS:
+            return _deny(where, ERRNO_READ_ONLY,
+                         f"{path} is a repository's {where.pattern} directory: {request.op} refused "
+                         f"({where.describe()}); git would run what it then held")
+        if where.scope is Scope.GIT_GUARDED and request.op not in _GUARDED_OPS:
+            return _deny(where, ERRNO_READ_ONLY,
+                         f"{path} is written only by git (a lock file renamed over it, checked for "
+                         f"settings that run programs): {request.op} refused; use git config")
         if where.scope is Scope.PROTECTED or where.scope is Scope.GIT_CONFIG:
             return _deny(where, ERRNO_READ_ONLY, f"{path} is read-only: {where.describe()}")
         if where.scope is Scope.OUT_OF_SCOPE:

@@ -23,7 +23,7 @@ import stat
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import pyfuse3
 import trio
@@ -36,11 +36,15 @@ from guardfs.decision import Decider, LimitsDecider, Request
 from guardfs.events import EventLog
 from guardfs.gate import Gate
 from guardfs.inodes import Entry, InodeTable
+from guardfs.links import forbidden_links
 from guardfs.manifest import Manifest
-from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope
-from guardfs.rename import check_carried, plan_rename
+from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope, is_git_state
+from guardfs.rename import check_carried, check_config_landing, check_git_update, plan_rename
 from guardfs.sessions import OpenFile, WriteSessions, invalidate_later
 from guardfs.virtual import GuardNode, default_state
+
+if TYPE_CHECKING:  # dulwich is imported only where a run judges git state
+    from guardfs.gitscope import GitScope
 
 __all__ = ["FD_RESERVE", "UNSUPPORTED", "GuardFS"]
 
@@ -150,8 +154,10 @@ class GuardFS(pyfuse3.Operations):
         checkpoint_dir: Path | None = None,
         xattrs: bool = False,
         policy: PathPolicy | None = None,
+        gitscope: GitScope | None = None,
     ) -> None:
         """Serve *backing* under *manifest*; *state_text* renders ``.guard/STATE.md``;
+        with *gitscope*, renames onto git's index and refs are judged for what they change;
         *policy* is the run's compiled policy (by default compiled here, looking whether
         ``.git/config`` exists now);
         with *checkpoint_dir*, pre-images are kept there for rollback. Without *xattrs*
@@ -164,7 +170,9 @@ class GuardFS(pyfuse3.Operations):
             manifest, git_config_existed=self._lstat_or_none(".git/config") is not None)
         root = os.stat(self.backing.root_fd)
         self._root_dev = root.st_dev
-        self.inodes = InodeTable(self.policy, root.st_ino)
+        # One walk of the workspace, before the mount serves anything: the other names of
+        # forbidden files are forbidden too (guardfs.links).
+        self.inodes = InodeTable(self.policy, root.st_ino, forbidden_links(self.backing, self.policy))
         self.accounting = accounting if accounting is not None else WriteAccounting()
         self.decider: Decider = decider or LimitsDecider(manifest.limits, self.accounting)
         self.events = events
@@ -173,6 +181,7 @@ class GuardFS(pyfuse3.Operations):
         self.xattrs = xattrs
         self.gate = Gate(self.policy, self.accounting, self.decider, events, manifest.limits)
         self.sessions = WriteSessions(self.gate, self.backing, manifest.limits)
+        self.gitscope = gitscope
         self._files: dict[int, OpenFile] = {}
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if soft == resource.RLIM_INFINITY:
@@ -247,7 +256,8 @@ class GuardFS(pyfuse3.Operations):
         """Classification of *path* (by its inode when it exists, hard links included)."""
         if st is None:
             return self.policy.classify(path, is_dir)
-        return self.inodes.classify(st.st_ino, stat.S_ISDIR(st.st_mode), path)
+        return self.policy.settled(self.inodes.classify(st.st_ino, stat.S_ISDIR(st.st_mode), path),
+                                   st.st_ctime_ns)
 
     def _lstat_or_none(self, path: str) -> os.stat_result | None:
         try:
@@ -512,7 +522,11 @@ class GuardFS(pyfuse3.Operations):
         _, path = self._child(parent_inode, name)
         self.gate.refuse_guard_names("unlink", path)
         st = self.backing.lstat(path)
-        request = self.gate.ask("unlink", path, self._where(path, st, False))
+        # git deletes refs (git branch -d, pack-refs): a ref no longer there changes no path.
+        where = self._where(path, st, False)
+        if self.gitscope is not None and is_git_state(path):
+            where = self.policy.git_state_update(path)
+        request = self.gate.ask("unlink", path, where)
         await self._pre(path)
         dir_fd, n = self.backing.parent(path)
         os.unlink(n, dir_fd=dir_fd)
@@ -556,10 +570,13 @@ class GuardFS(pyfuse3.Operations):
         dst_dir = dst_st is not None and stat.S_ISDIR(dst_st.st_mode)
         exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
         # What the destination name becomes: the moving object's kind decides dir patterns.
+        dst_where = self._where(dst, dst_st, src_dir)
+        if self.gitscope is not None and not src_dir and is_git_state(dst):
+            dst_where = self.policy.git_state_update(dst)  # judged below for what it changes
         request, commit = plan_rename(
             self.gate, self.backing,
             (src, src_st, self._where(src, src_st, src_dir)),
-            (dst, dst_st, self._where(dst, dst_st, src_dir)),
+            (dst, dst_st, dst_where),
             exchange,
         )
         self.gate.check(request)
@@ -567,6 +584,14 @@ class GuardFS(pyfuse3.Operations):
             check_carried(self.gate, self.backing, request, src, dst)
             if exchange:
                 check_carried(self.gate, self.backing, request, dst, src)
+        if dst_where.scope is Scope.GIT_GUARDED or (exchange and request.where.scope is Scope.GIT_GUARDED):
+            entry = self.inodes.get(self.inodes.fuse_ino(src_st.st_ino))
+            writers = entry is not None and any(self._files[fd].writable for fd in entry.handles)
+            await check_config_landing(self.gate, self.backing, request, (src, src_st), exchange, writers)
+        if self.gitscope is not None:
+            def held() -> bool:
+                return any(f.writable and f.entry.path in (src, dst) for f in self._files.values())
+            check_git_update(self.gate, self.gitscope, request, (src, src_dir), (dst, dst_dir), exchange, held)
         await self._pre_move((src, src_st), (dst, dst_st))
         old_dir, old_name = self.backing.parent(src)
         new_dir, new_name = self.backing.parent(dst)

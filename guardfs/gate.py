@@ -103,6 +103,12 @@ class Gate:
             if is_guard_path(path):
                 self.check(Request(op, path, self.policy.classify(path, False), True))
 
+    def refuse(self, request: Request, verdict: Verdict) -> NoReturn:
+        """Refuse *request* for a reason found beyond the policy (what a write would land):
+        the decider hears of it as of any denial, so the breaker may trip on it."""
+        final = self.decider.decide(request, verdict)
+        self.deny(request, verdict if final.allow else final)
+
     def deny(self, request: Request, verdict: Verdict) -> NoReturn:
         """Record the denial of *request* and raise its errno."""
         self.events.emit(

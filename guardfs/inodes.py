@@ -11,7 +11,7 @@ reach zero.
 from __future__ import annotations
 
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import pyfuse3
@@ -26,9 +26,11 @@ _STRICTNESS = {
     Scope.FORBIDDEN: 0,
     Scope.PROTECTED: 1,
     Scope.GIT_CONFIG: 2,
-    Scope.OUT_OF_SCOPE: 3,
-    Scope.GIT_INTERNAL: 4,
-    Scope.ALLOWED: 5,
+    Scope.GIT_ANCHOR: 3,
+    Scope.GIT_GUARDED: 4,
+    Scope.OUT_OF_SCOPE: 5,
+    Scope.GIT_INTERNAL: 6,
+    Scope.ALLOWED: 7,
 }
 
 
@@ -46,6 +48,9 @@ class Entry:
     virtual: bool = False  # served by guardfs itself (.guard/), never forgotten
     # The file's other known names (hard links); `path` is the one most recently learnt.
     aliases: set[str] = field(default_factory=set)
+    # Its last name is gone (unlinked or replaced). The backing filesystem may then give its
+    # inode number to a new file, which must not inherit this file's verdict.
+    nameless: bool = False
 
     def rebase(self, old: str, new: str) -> None:
         """Names at or below *old* now live below *new* (a directory moved)."""
@@ -61,11 +66,19 @@ def _rebased(path: str, old: str, new: str) -> str:
 
 
 class InodeTable:
-    """Maps FUSE inodes to entries; pure bookkeeping, no I/O."""
+    """Maps FUSE inodes to entries; pure bookkeeping, no I/O.
 
-    def __init__(self, policy: PathPolicy, root_backing_ino: int) -> None:
+    *linked* holds the backing inodes forbidden whatever their name (the hard links of
+    forbidden files found at start, see :mod:`guardfs.links`): every verdict this table
+    gives or caches for one of them is that, never the name's.
+    """
+
+    def __init__(
+        self, policy: PathPolicy, root_backing_ino: int, linked: Mapping[int, Classification] | None = None
+    ) -> None:
         self.policy = policy
         self._root_bino = root_backing_ino
+        self._linked: Mapping[int, Classification] = linked or {}
         root = Entry(pyfuse3.ROOT_INODE, root_backing_ino, "", True, policy.classify("", True), 1)
         self._entries: dict[int, Entry] = {root.ino: root}
 
@@ -90,8 +103,16 @@ class InodeTable:
     def classify(self, st_ino: int, is_dir: bool, path: str) -> Classification:
         """The verdict for *path*: the cached one when the inode is known under that path."""
         entry = self._entries.get(self.fuse_ino(st_ino))
-        if entry is not None and entry.path == path:
+        if entry is not None and entry.path == path and not entry.nameless:
             return entry.where
+        return self._judge(st_ino, path, is_dir)
+
+    def _judge(self, st_ino: int, path: str, is_dir: bool) -> Classification:
+        """The policy's verdict on *path*, unless the inode is forbidden under any name."""
+        if not is_dir:
+            by_inode = self._linked.get(st_ino)
+            if by_inode is not None:
+                return by_inode
         return self.policy.classify(path, is_dir)
 
     def remember(
@@ -101,11 +122,18 @@ class InodeTable:
         ino = self.fuse_ino(st_ino)
         entry = self._entries.get(ino)
         is_dir = stat.S_ISDIR(st_mode)
+        if not is_dir and st_ino in self._linked:
+            where = self._linked[st_ino]  # whatever verdict the caller's name got
         if entry is None:
-            entry = Entry(ino, st_ino, path, is_dir, where or self.policy.classify(path, is_dir))
+            entry = Entry(ino, st_ino, path, is_dir, where or self._judge(st_ino, path, is_dir))
             self._entries[ino] = entry
+        elif entry.nameless and not entry.handles:
+            # A new file under a reused inode number: a fresh entry, the kernel's count kept.
+            entry.path, entry.is_dir, entry.nameless = path, is_dir, False
+            entry.where = where or self.policy.classify(path, is_dir)
+            entry.aliases.clear()
         elif entry.path != path:
-            where = where or self.policy.classify(path, is_dir)
+            where = where or self._judge(st_ino, path, is_dir)
             if is_dir or _STRICTNESS[where.scope] <= _STRICTNESS[entry.where.scope]:
                 entry.where = where
             if not is_dir:  # another hard link: the old name stays valid
@@ -143,7 +171,8 @@ class InodeTable:
         """The name *path* of *entry* is gone (unlinked, or replaced by a rename)."""
         if entry.path == path:
             if not entry.aliases:
-                return  # its last known name: the entry lives on only through open handles
+                entry.nameless = True  # the entry lives on only through open handles
+                return
             entry.path = min(entry.aliases)
         entry.aliases.discard(path)
 
@@ -157,8 +186,8 @@ class InodeTable:
             if entry.path != old:
                 entry.aliases.add(entry.path)
             entry.aliases.discard(new)
-            entry.path = new
-            entry.where = self.policy.classify(new, False)
+            entry.path, entry.nameless = new, False
+            entry.where = self._judge(entry.backing_ino, new, False)
             return
         prefix = old + "/"
         for e in self._entries.values():
@@ -168,7 +197,7 @@ class InodeTable:
                 a.startswith(prefix) for a in e.aliases
             ):
                 e.rebase(old, new)
-                e.where = self.policy.classify(e.path, e.is_dir)
+                e.where = self._judge(e.backing_ino, e.path, e.is_dir)
 
     def exchanged(self, a: str, b: str) -> None:
         """RENAME_EXCHANGE swapped whatever lived at *a* and *b*."""
@@ -181,4 +210,4 @@ class InodeTable:
                     e.rebase(old, new)
         for e in self._entries.values():
             if not e.virtual and (e.path in (a, b) or e.path.startswith((a + "/", b + "/"))):
-                e.where = self.policy.classify(e.path, e.is_dir)
+                e.where = self._judge(e.backing_ino, e.path, e.is_dir)

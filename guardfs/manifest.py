@@ -132,6 +132,17 @@ class Paths(_Strict):
             "the limits. .git/hooks/ and an existing .git/config are read-only either way."
         ),
     )
+    forbidden_in_git: Literal["refuse", "hide-git", "warn"] = Field(
+        default="refuse",
+        description=(
+            "What guard does when git tracks a forbidden path (in HEAD or the index) at start: "
+            "its content is then readable through git's object store (git show HEAD:.env) "
+            "whatever the mount refuses. 'refuse' (the default): do not start, naming them. "
+            "'hide-git': run with .git/ forbidden to the agent (git does not work in the "
+            "workspace). 'warn': run, and say at start that their contents are readable "
+            "through git. When git tracks no forbidden path, every mode runs unchanged."
+        ),
+    )
 
 
 class Limits(_Strict):
@@ -227,6 +238,14 @@ def _check_lane(path: str) -> str:
     return path.strip("/")
 
 
+def _check_env_name(name: str) -> str:
+    body = name[:-1] if name.endswith("*") else name
+    if not body or not all(c.isalnum() or c == "_" for c in body) or body[0].isdigit():
+        raise ValueError(f"{name!r} is not an environment variable name (letters, digits, '_'; "
+                         "a trailing '*' for a prefix)")
+    return name
+
+
 class SandboxSettings(_Strict):
     """What the agent may write outside the workspace when ``guard run`` isolates it, and
     which subtrees it reads natively (fast lanes)."""
@@ -255,6 +274,27 @@ class SandboxSettings(_Strict):
             "(needs allowed patterns anchored at a literal directory, like 'src/checkout/**'). "
             "Faster reads; but a write attempted there is refused by the kernel and never reaches "
             "the breaker, so scope_spill does not see it."
+        ),
+    )
+
+    # ----- what the agent's process gets from the host ------------------------------------
+    env: list[Annotated[str, AfterValidator(_check_env_name)]] = Field(
+        default_factory=list,
+        description=(
+            "Environment variables an agent of another user (guard run --user) receives from "
+            "the guard's environment, beyond PATH, HOME, USER, LOGNAME, LANG, LANGUAGE, LC_*, "
+            "TERM, COLORTERM and TZ: typically its API variables, like 'ANTHROPIC_API_KEY'. A "
+            "trailing '*' names a prefix ('ANTHROPIC_*'). Nothing else of the guard's (root's) "
+            "environment reaches it."
+        ),
+    )
+    network: Literal["host", "none"] = Field(
+        default="host",
+        description=(
+            "'host' (default): the agent shares the host's network, as it must to reach its "
+            "model: it can connect to anything the host can, the host's 127.0.0.1 listeners and "
+            "abstract unix sockets included. 'none': a network namespace of its own with "
+            "loopback only (for agents with a local model, or steps that need no network)."
         ),
     )
 

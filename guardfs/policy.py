@@ -8,22 +8,34 @@ inode entry (``Entry.where``); the hot path then only reads ``entry.where.scope`
 from __future__ import annotations
 
 import enum
-import re
+import time
 from dataclasses import dataclass
 
 import pathspec
 
+from guardfs.gitguard import GitRole, git_role
 from guardfs.manifest import Manifest
 
-__all__ = ["GUARD_DIR", "Classification", "PathPolicy", "Scope"]
+__all__ = ["GIT_GUARDED_RULE", "GUARD_DIR", "Classification", "PathPolicy", "Scope", "is_git_state"]
 
 #: The guard's own directory at the workspace root; never writable by the agent.
 GUARD_DIR = ".guard"
 
-# Names git writes under .git/hooks/ itself (templates copied by git init). A *.sample
-# hook is never run by git, so letting git create it keeps `git init` working.
-_SAMPLE_HOOK = re.compile(r"^\.git/hooks/[^/]+\.sample$")
 _GIT_CONFIG_RULE = "built-in: .git/config is read-only if it existed when the guard started"
+_NESTED_CONFIG_RULE = "built-in: a repository's config is read-only if it existed when the guard started"
+_HOOKS_RULE = "built-in: .git/hooks/ is read-only"
+_ANCHOR_RULE = "built-in: a repository's .git and hooks directories are never renamed, replaced or linked"
+_REDIRECT_RULE = "built-in: git files that point git elsewhere are read-only"
+#: The rule of a repository's config made during the run: git may write it, checked.
+GIT_GUARDED_RULE = "built-in: a git config that runs programs"
+_GIT_STATE_RULE = "built-in: git's index and refs change only by renaming their lock files over them"
+
+
+def is_git_state(path: str) -> bool:
+    """Whether *path* is a file git only ever replaces by renaming a lock file over it: the
+    index, HEAD, packed-refs or a ref under refs/ (see guardfs.gitscope)."""
+    return path in (".git/index", ".git/HEAD", ".git/packed-refs") or (
+        path.startswith(".git/refs/") and not path.endswith(".lock"))
 
 
 class Scope(enum.Enum):
@@ -31,7 +43,9 @@ class Scope(enum.Enum):
 
     FORBIDDEN = "forbidden"  # neither read nor write
     PROTECTED = "protected"  # read-only whatever the manifest says
-    GIT_CONFIG = "git-config"  # .git/config that existed when the guard started: read-only
+    GIT_CONFIG = "git-config"  # a repository's config that existed when the guard started: read-only
+    GIT_ANCHOR = "git-anchor"  # a .git or hooks directory: mkdir/rmdir only, never moved or linked
+    GIT_GUARDED = "git-guarded"  # a config made during the run: replaced only by a checked rename
     GIT_INTERNAL = "git-internal"  # writable, never counted toward limits
     ALLOWED = "allowed"  # writable, counted
     OUT_OF_SCOPE = "out-of-scope"  # readable, not writable
@@ -65,9 +79,21 @@ class PathPolicy:
     answer, read-only; whoever builds a guarded run looks and says (see sandbox.session).
     """
 
-    def __init__(self, manifest: Manifest, *, git_config_existed: bool = True) -> None:
+    def __init__(
+        self, manifest: Manifest, *, git_config_existed: bool = True, started_ns: int | None = None,
+        hide_git: bool = False, git_state_locked: bool = False,
+    ) -> None:
         self.manifest = manifest
         self.git_config_existed = git_config_existed
+        #: When the guard started: a repository's config changed no later than this was
+        #: there before the run (file times lag the clock by a tick at most, in that
+        #: direction: a file from before the start never looks newer).
+        self.started_ns = time.time_ns() if started_ns is None else started_ns
+        # paths.forbidden_in_git = "hide-git" and git tracks a forbidden path: .git/ is forbidden.
+        self.hide_git = hide_git
+        # A run that judges git's updates (guardfs.gitscope): its index and refs are read-only
+        # but for the lock-file rename (and the unlink) that the mount judges itself.
+        self.git_state_locked = git_state_locked
         paths = manifest.paths
         self._forbidden = pathspec.GitIgnoreSpec.from_lines(paths.forbidden)
         self._allowed = pathspec.GitIgnoreSpec.from_lines(paths.allowed)
@@ -81,21 +107,48 @@ class PathPolicy:
         probe = path + "/" if is_dir else path
         if path == GUARD_DIR or path.startswith(GUARD_DIR + "/"):
             return Classification(Scope.PROTECTED, "built-in: the guard's own files")
+        if self.hide_git and (path == ".git" or path.startswith(".git/")):
+            return Classification(Scope.FORBIDDEN, "paths.forbidden_in_git", "hide-git")
         hit = self._forbidden.check_file(probe)
         if hit.include and hit.index is not None:
             return Classification(
                 Scope.FORBIDDEN, "paths.forbidden", self.manifest.paths.forbidden[hit.index]
             )
-        if path == ".git/hooks" or path.startswith(".git/hooks/"):
-            if path == ".git/hooks" or _SAMPLE_HOOK.match(path):
-                return self._git_internal()
-            return Classification(Scope.PROTECTED, "built-in: .git/hooks/ is read-only")
-        if path == ".git/config":
-            if self.git_config_existed:
-                return Classification(Scope.GIT_CONFIG, _GIT_CONFIG_RULE)
-            return self._git_internal()
+        role = git_role(path) if ".git" in path else None
         if path == ".git" or path.startswith(".git/"):
-            return self._git_internal()
+            if self.git_state_locked and self._git_writable and not is_dir and is_git_state(path):
+                return Classification(Scope.PROTECTED, _GIT_STATE_RULE)
+            base = self._git_internal()
+        else:
+            base = self._by_allowed(path, probe, is_dir)
+        if role is None or base.scope not in (Scope.ALLOWED, Scope.GIT_INTERNAL):
+            return base  # a repository inside a read-only tree is as read-only as the tree
+        return self._git(path, is_dir, role, base)
+
+    def _git(self, path: str, is_dir: bool, role: tuple[GitRole, str], base: Classification) -> Classification:
+        """A name with a role in a repository: narrowed from its writable *base*."""
+        kind, name = role
+        if kind is GitRole.ANCHOR:
+            return Classification(Scope.GIT_ANCHOR, _ANCHOR_RULE, name)
+        if kind is GitRole.HOOK:
+            return Classification(Scope.PROTECTED, _HOOKS_RULE)
+        if kind is GitRole.REDIRECT:
+            return Classification(Scope.PROTECTED, _REDIRECT_RULE, name)
+        if is_dir:
+            return base  # a directory named config (a submodule's name) is no config
+        if path == ".git/config" and self.git_config_existed:
+            return Classification(Scope.GIT_CONFIG, _GIT_CONFIG_RULE)
+        return Classification(Scope.GIT_GUARDED, GIT_GUARDED_RULE, name)
+
+    def settled(self, where: Classification, ctime_ns: int) -> Classification:
+        """*where* for an existing file changed last at *ctime_ns*: a repository's config
+        that was there when the guard started is read-only (nobody can set a file's ctime;
+        any change moves it on)."""
+        if where.scope is Scope.GIT_GUARDED and ctime_ns <= self.started_ns:
+            return Classification(Scope.GIT_CONFIG, _NESTED_CONFIG_RULE)
+        return where
+
+    def _by_allowed(self, path: str, probe: str, is_dir: bool) -> Classification:
         hit = self._allowed.check_file(probe)
         if hit.include and hit.index is not None:
             return Classification(Scope.ALLOWED, "paths.allowed", self.manifest.paths.allowed[hit.index])
@@ -108,6 +161,15 @@ class PathPolicy:
             # comes to exist. It counts as a directory, so not toward the blast radius.
             return Classification(Scope.ALLOWED, "paths.allowed (parent directory)")
         return Classification(Scope.OUT_OF_SCOPE, "not in paths.allowed")
+
+    def git_state_update(self, path: str) -> Classification:
+        """What renaming git's lock file over *path* (or unlinking it) is judged as: writable
+        git internals when the mount judges what it changes (a locked git state path), else
+        the path's own classification."""
+        where = self.classify(path, False)
+        if where.key == _GIT_STATE_RULE:
+            return self._git_internal()
+        return where
 
     def _git_internal(self) -> Classification:
         if self._git_writable:
@@ -126,6 +188,12 @@ class PathPolicy:
             f"  {GUARD_DIR}/              read-only (the guard's own files)",
             "  .git/hooks/          read-only (git may create *.sample templates)",
             "  .git/config          read-only if it existed when the mount started",
+            "  every repository (.git at any depth): .git/ and hooks/ never renamed, replaced",
+            "                       or linked; hooks, commondir, info/attributes and",
+            "                       objects/info/alternates read-only; config and",
+            "                       config.worktree read-only if they existed, else written",
+            "                       only by git and refused if they would run a program",
+            "  .git/index, refs     changed only by git's lock-file rename, judged for what it changes",
             f"  .git/ (the rest)     {m.paths.git_internals}, not counted toward limits",
             "forbidden (no read, no write; EACCES):",
             *(f"  {p}" for p in m.paths.forbidden or ["(none)"]),

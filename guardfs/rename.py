@@ -12,17 +12,27 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn
+
+import trio
 
 from guardfs.backing import Backing
-from guardfs.decision import Request, Verdict
+from guardfs.decision import ERRNO_READ_ONLY, Request, Verdict
 from guardfs.gate import Commit, Gate
-from guardfs.policy import Classification, Scope
+from guardfs.gitguard import MAX_CONFIG_BYTES, config_problems
+from guardfs.policy import GIT_GUARDED_RULE, Classification, Scope
 from guardfs.sessions import read_small
 
-__all__ = ["check_carried", "plan_rename"]
+if TYPE_CHECKING:  # dulwich is imported only where git state is judged
+    from guardfs.gitscope import GitScope
+
+__all__ = ["check_carried", "check_config_landing", "check_git_update", "plan_rename"]
 
 # What a moving directory may not hold, nor bring a name of its own under.
-_NOT_CARRIED = (Scope.FORBIDDEN, Scope.PROTECTED, Scope.GIT_CONFIG)
+# A repository's anchors and configs stay where they are: no prepared tree is moved into
+# their place, and no repository is moved out from under its checks.
+_NOT_CARRIED = (Scope.FORBIDDEN, Scope.PROTECTED, Scope.GIT_CONFIG, Scope.GIT_ANCHOR, Scope.GIT_GUARDED)
 
 
 def plan_rename(
@@ -73,3 +83,56 @@ def check_carried(gate: Gate, backing: Backing, request: Request, src: str, dst:
                     False, where.key, where.pattern, err,
                     f"moving {src} to {dst} would carry {path} ({where.describe()})",
                 ))
+
+
+async def check_config_landing(
+    gate: Gate, backing: Backing, request: Request, src: tuple[str, os.stat_result], exchange: bool,
+    writers: bool,
+) -> None:
+    """Refuse the rename that would land a repository's config (made during the run) which
+    sets anything that runs a program; the new content is parsed by git itself, off the loop.
+
+    What lands must be what was checked: a regular file no descriptor can still write, put
+    in place by a plain rename (an exchange would hand the checked name to the old file).
+    """
+    path, st = src
+    dst = request.target if request.path == path else request.path
+
+    def refuse(why: str) -> NoReturn:
+        gate.refuse(request, Verdict(False, GIT_GUARDED_RULE, None, ERRNO_READ_ONLY, f"{dst}: {why}"))
+
+    if exchange:
+        refuse("a repository's config is replaced by a plain rename only, not exchanged")
+    if not stat.S_ISREG(st.st_mode):
+        refuse(f"{path} is not a regular file")
+    if writers:
+        refuse(f"{path} is still open for writing: close it before renaming it over the config")
+    if st.st_size > MAX_CONFIG_BYTES:
+        refuse(f"{path} is {st.st_size} bytes, more than any git config ({MAX_CONFIG_BYTES})")
+    fd = backing.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        data = os.pread(fd, MAX_CONFIG_BYTES + 1, 0)
+    finally:
+        os.close(fd)
+    problems = await trio.to_thread.run_sync(config_problems, data)
+    if problems:
+        refuse(f"the new config sets {', '.join(problems)}, which would make git run a program (or read "
+               "configuration from elsewhere) on the host when someone next uses this repository; "
+               "refused by the guard, set only what git needs (user, remote, branch)")
+
+
+def check_git_update(
+    gate: Gate, scope: GitScope, request: Request, src: tuple[str, bool], dst: tuple[str, bool],
+    exchange: bool, held_open: Callable[[], bool],
+) -> None:
+    """Refuse a rename that would update git's index or a ref so that a path the task may not
+    write changes (see :mod:`guardfs.gitscope`); the denial reaches the decider (the breaker)
+    as any refused write does. *src* and *dst* are (path, is a directory); *held_open* says
+    whether either is open for writing."""
+    verdict = scope.judge_rename(src[0], dst[0], src[1], held_open)
+    if verdict is None and exchange:
+        verdict = scope.judge_rename(dst[0], src[0], dst[1], held_open)
+    if verdict is None:
+        return
+    final = gate.decider.decide(request, verdict)
+    gate.deny(request, verdict if final.allow else final)  # a decider never loosens a denial

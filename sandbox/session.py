@@ -25,6 +25,7 @@ from guardfs.decision import Request, Verdict
 from guardfs.errors import GuardError
 from guardfs.events import EventLog
 from guardfs.fs import GuardFS
+from guardfs.gitscope import ForbiddenInGitError, GitScope
 from guardfs.manifest import Manifest
 from guardfs.policy import PathPolicy
 from sandbox.breaker import Breaker, Effect, Effects
@@ -82,7 +83,10 @@ class Session:
         self.manifest = manifest
         self.events = events
         self.run_dir = run_dir
-        self.policy = PathPolicy(manifest, git_config_existed=git_config_exists(workspace))
+        self.policy = PathPolicy(manifest, git_config_existed=git_config_exists(workspace), git_state_locked=True)
+        #: What ``guard run`` says at start (the forbidden paths git tracks, under "warn"/"hide-git").
+        self.notices: list[str] = []
+        self.gitscope = self._git_scope(manifest, workspace)
         self.accounting = WriteAccounting()
         self._breaker: Breaker | None = None
         if run_dir is not None:
@@ -96,6 +100,7 @@ class Session:
             checkpoint_dir=run_dir / "checkpoint" if checkpoints and run_dir is not None else None,
             xattrs=xattrs,
             policy=self.policy,
+            gitscope=self.gitscope,
         )
         self._daemon: Daemon | None = None
         if self._breaker is not None and run_dir is not None:
@@ -106,6 +111,33 @@ class Session:
             )
         self._listeners: list[Callable[[Effects], None]] = []
         self._prepared = False
+
+    def _git_scope(self, manifest: Manifest, workspace: str | os.PathLike[str]) -> GitScope:
+        """The workspace's git state at the start, and what ``paths.forbidden_in_git`` makes
+        of the forbidden paths git tracks (raises ForbiddenInGitError under "refuse")."""
+        scope = GitScope(workspace, self.policy)
+        tracked = scope.tracked_forbidden
+        if not tracked:
+            return scope
+        mode = manifest.paths.forbidden_in_git
+        shown = ", ".join(tracked[:20]) + (f" and {len(tracked) - 20} more" if len(tracked) > 20 else "")
+        if mode == "refuse":
+            scope.close()
+            raise ForbiddenInGitError(
+                f"git tracks forbidden path(s) {shown}: their contents are readable through git "
+                "(git show HEAD:<path>) whatever the mount refuses. Remove them from git's history, "
+                'or set [paths] forbidden_in_git = "hide-git" (git unusable in the run) or "warn" '
+                "(run with them readable through git)")
+        if mode == "hide-git":
+            self.policy = PathPolicy(manifest, git_config_existed=self.policy.git_config_existed, hide_git=True,
+                                     git_state_locked=True)
+            scope.policy = self.policy
+            self.notices.append(f"git tracks forbidden path(s) {shown}: .git/ is forbidden to the agent "
+                                "in this run (paths.forbidden_in_git = \"hide-git\"); git does not work here")
+        else:
+            self.notices.append(f"WARNING: git tracks forbidden path(s) {shown}: their contents ARE readable "
+                                "through git's object store in this run (paths.forbidden_in_git = \"warn\")")
+        return scope
 
     @property
     def guarded(self) -> bool:
@@ -139,6 +171,7 @@ class Session:
         """Close the filesystem's descriptors; remove the sockets and write the last ledger
         (only if :meth:`prepare` claimed the run directory: never another guard's)."""
         self.fs.close()
+        self.gitscope.close()
         if self._daemon is not None and self._prepared:
             self._daemon.cleanup()
         self._prepared = False

@@ -199,7 +199,9 @@ def installation() -> Iterator[str]:
 def test_guard_exec_logs_land_in_the_run_directory_capped(tmp_path: Path, user: str | None,
                                                            request: pytest.FixtureRequest) -> None:
     ws, manifest = workspace(tmp_path)
-    manifest.write_text(FIX_TAX + "[sandbox]\nlog_max_bytes = 4096\n")
+    # An agent of another user gets an allowlisted environment: PYTHONPATH is named for it.
+    env_names = '\nenv = ["PYTHONPATH"]' if user is not None else ""
+    manifest.write_text(FIX_TAX + f"[sandbox]\nlog_max_bytes = 4096{env_names}\n")
     run_dir = tmp_path / "run"
     flags: list[str] = []
     guard, env = ["guard"], dict(os.environ)

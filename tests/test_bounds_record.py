@@ -25,7 +25,7 @@ from guardfs.manifest import Record
 from sandbox.breaker.client import GuardClient
 
 from .helpers import FIX_TAX, wait_for
-from .mounts import CHECKOUT_MANIFEST, guarded_mount
+from .mounts import CHECKOUT_MANIFEST, Guarded, guarded_mount
 
 INVALID = 2000  # malformed lines sent on the agent socket: a flood of droppable events
 
@@ -85,18 +85,22 @@ def violate(mnt: Path, round_: int, denied: list[str]) -> None:
         denied.append(name)
 
 
+def flood_between_violations(g: Guarded, denied: list[str]) -> None:
+    """Invalid socket messages by the thousand, each flood followed by real violations."""
+    assert g.daemon is not None
+    (g.backing / "docs").mkdir()
+    (g.backing / ".env").write_text("SECRET=1\n")
+    for round_ in (0, 1):
+        flood_invalid(g.daemon.agent_path, INVALID)
+        violate(g.mnt, round_, denied)
+
+
 @pytest.mark.mount
 def test_event_rate_cap_drops_the_flood_and_keeps_every_denial(tmp_path: Path) -> None:
     manifest = CHECKOUT_MANIFEST + "[record]\nevents_per_second = 1\nevents_burst = 50\n"
     denied: list[str] = []
     with guarded_mount(tmp_path, manifest, run_dir=tmp_path / "run") as g:
-        assert g.daemon is not None
-        (g.backing / "docs").mkdir()
-        (g.backing / ".env").write_text("SECRET=1\n")
-        flood_invalid(g.daemon.agent_path, INVALID)
-        violate(g.mnt, 0, denied)
-        flood_invalid(g.daemon.agent_path, INVALID)
-        violate(g.mnt, 1, denied)
+        flood_between_violations(g, denied)
         # The breaker still works: a terminal trip refuses even an in-scope write now.
         assert refused(lambda: (g.mnt / "src/checkout").mkdir(parents=True)) == ERRNO_LIMIT
     events = read_events(g.events_path)  # closed: the last 'dropped' line is written
@@ -110,13 +114,7 @@ def test_event_size_cap_stops_the_file_growing_but_not_denials(tmp_path: Path) -
     manifest = CHECKOUT_MANIFEST + f"[record]\nevents_max_bytes = {cap}\n"
     denied: list[str] = []
     with guarded_mount(tmp_path, manifest, run_dir=tmp_path / "run") as g:
-        assert g.daemon is not None
-        (g.backing / "docs").mkdir()
-        (g.backing / ".env").write_text("SECRET=1\n")
-        flood_invalid(g.daemon.agent_path, INVALID)
-        violate(g.mnt, 0, denied)
-        flood_invalid(g.daemon.agent_path, INVALID)
-        violate(g.mnt, 1, denied)
+        flood_between_violations(g, denied)
     events = read_events(g.events_path)
     assert assert_flood_accounted(events, denied) == {"events_max_bytes": cap}
     # Past the cap only what is never dropped was written: denials, trips, 'dropped' lines;

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from guardfs.manifest import parse_manifest
-from guardfs.policy import PathPolicy, Scope
+from guardfs.policy import GIT_GUARDED_RULE, PathPolicy, Scope
 
 from .helpers import require
 
@@ -57,12 +57,35 @@ POLICY = PathPolicy(parse_manifest(
 ))
 
 
+ANCHOR = "built-in: a repository's .git and hooks directories are never renamed, replaced or linked"
+REDIRECT = "built-in: git files that point git elsewhere are read-only"
+
+
 @pytest.mark.parametrize(
     ("path", "is_dir", "scope", "key"),
     [
         (".git/hooks/pre-commit", False, Scope.PROTECTED, "built-in: .git/hooks/ is read-only"),
         (".git/hooks/pre-commit.sample", False, Scope.GIT_INTERNAL, "built-in: git internals"),
-        (".git/hooks", True, Scope.GIT_INTERNAL, "built-in: git internals"),
+        # issue 12: the hooks directory is an anchor (mkdir/rmdir only), not a git internal
+        (".git/hooks", True, Scope.GIT_ANCHOR, ANCHOR),
+        (".git", True, Scope.GIT_ANCHOR, ANCHOR),
+        (".git", False, Scope.GIT_ANCHOR, ANCHOR),
+        ("src/sub/.git", True, Scope.GIT_ANCHOR, ANCHOR),
+        ("src/sub/.git/hooks", False, Scope.GIT_ANCHOR, ANCHOR),
+        ("src/sub/.git/hooks/post-checkout", False, Scope.PROTECTED, "built-in: .git/hooks/ is read-only"),
+        ("src/sub/.git/hooks/post-checkout.sample", False, Scope.ALLOWED, "paths.allowed"),
+        (".git/modules/m/hooks/pre-commit", False, Scope.PROTECTED, "built-in: .git/hooks/ is read-only"),
+        (".git/commondir", False, Scope.PROTECTED, REDIRECT),
+        (".git/worktrees/w/commondir", False, Scope.PROTECTED, REDIRECT),
+        (".git/info/attributes", False, Scope.PROTECTED, REDIRECT),
+        ("src/sub/.git/objects/info/alternates", False, Scope.PROTECTED, REDIRECT),
+        (".git/info/exclude", False, Scope.GIT_INTERNAL, "built-in: git internals"),
+        ("src/sub/.git/config", False, Scope.GIT_GUARDED, GIT_GUARDED_RULE),
+        (".git/worktrees/w/config.worktree", False, Scope.GIT_GUARDED, GIT_GUARDED_RULE),
+        (".git/modules/config", True, Scope.GIT_INTERNAL, "built-in: git internals"),
+        (".git/refs/heads/config", False, Scope.GIT_INTERNAL, "built-in: git internals"),
+        (".git/refs/heads/hooks/x", False, Scope.GIT_INTERNAL, "built-in: git internals"),
+        ("src/x.github/config", False, Scope.ALLOWED, "paths.allowed"),
         (".git/config", False, Scope.GIT_CONFIG, "built-in: .git/config is read-only if it existed when the guard started"),  # noqa: E501
         (".git/index.lock", False, Scope.GIT_INTERNAL, "built-in: git internals"),
         (".git/refs/stash", False, Scope.GIT_INTERNAL, "built-in: git internals"),

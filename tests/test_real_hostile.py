@@ -266,7 +266,7 @@ s = socket.socket(socket.AF_UNIX)
 s.connect(os.environ["GUARD_SOCKET"])
 replies = s.makefile("rb")
 ok = 0
-for i in range(300):  # 300 distinct Bash calls of 1 MiB each (a hook event may carry 4 MiB)
+for i in range(600):  # 600 distinct Bash calls of 1 MiB each (a hook event may carry 4 MiB)
     s.sendall(json.dumps({"type": "check", "tool": "Bash", "mutating": False,
                           "args": {"command": f"{i} " + "x" * (1 << 20)}}).encode() + b"\n")
     ok += json.loads(replies.readline())["ok"]
@@ -283,5 +283,7 @@ def test_distinct_tool_calls_do_not_grow_the_guard(tmp_path: Path) -> None:
     status, peak, _out, err = _guard_run_measured(
         ["run", "--ci", "--manifest", str(manifest), "--run-dir", str(run_dir), "--",
          "python3", "-c", DISTINCT_CALLS], ws, tmp_path)
-    assert status == 0 and "answered 300" in (run_dir / "stdout.log").read_text(), err
-    assert peak < 200 * MiB, f"the guard's peak RSS was {peak // MiB} MiB after 300 MiB of distinct calls"
+    assert status == 0 and "answered 600" in (run_dir / "stdout.log").read_text(), err
+    # Kept whole, the calls took ~1.2 GiB; measured here ~52 MiB alone, ~210 MiB once on a
+    # loaded machine (the allocator's arenas): the bound says "does not grow with the calls".
+    assert peak < 256 * MiB, f"the guard's peak RSS was {peak // MiB} MiB after 600 MiB of distinct calls"

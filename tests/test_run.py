@@ -424,7 +424,7 @@ def _copy_installation(dest: Path) -> str:
     here = Path(sandbox.__file__).resolve().parent.parent
     for package in ("guardfs", "sandbox"):
         shutil.copytree(here / package, dest / package, ignore=shutil.ignore_patterns("__pycache__"))
-    todo, seen = ["pyfuse3", "trio", "psutil", "pydantic", "pathspec"], set()
+    todo, seen = ["pyfuse3", "trio", "psutil", "pydantic", "pathspec", "dulwich"], set()
     while todo:
         dist = metadata.distribution(todo.pop())
         name = dist.metadata["Name"].lower()

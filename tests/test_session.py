@@ -72,8 +72,10 @@ BUILT_INS = {
     ".git/config": False,  # existed at the start: read-only
     ".git/hooks/pre-commit": False,  # hooks are read-only
     ".git/hooks/pre-commit.sample": True,  # git init's templates
-    ".git/HEAD": True,  # the rest of git's internals are writable
-    ".git/refs/heads/main": True,
+    ".git/HEAD": False,  # git state: only git's lock-file rename, judged for what it changes
+    ".git/refs/heads/main": False,
+    ".git/refs/heads/main.lock": True,  # the rest of git's internals are writable
+    ".git/COMMIT_EDITMSG": True,
     ".guard/notes": False,  # the guard's own directory
     ".guard/STATE.md": False,
     ".env": False,  # paths.forbidden
@@ -95,11 +97,12 @@ def test_hook_check_and_mount_agree_on_every_built_in_protection(tmp_path: Path)
 
 @pytest.mark.mount
 def test_hook_check_and_mount_agree_on_a_git_config_the_agent_creates(tmp_path: Path) -> None:
-    """A repository the agent creates during the run may configure itself: both allow."""
+    """A repository the agent creates during the run may configure itself, through git
+    (issue 12: a lock file renamed over the config, checked); a direct write is refused by both."""
     (tmp_path / "backing/.git/hooks").mkdir(parents=True)
     with guarded_mount(tmp_path, FIX_TAX, run_dir=tmp_path / "run") as g:
-        assert _both_answers(g, ".git/config") == (True, True)
-        assert (g.backing / ".git/config").read_text() == "x\n"
+        assert _both_answers(g, ".git/config") == (False, False)
+        assert not (g.backing / ".git/config").exists()
         assert _both_answers(g, ".git/hooks/post-checkout") == (False, False)
 
 

@@ -280,12 +280,27 @@ class Daemon:
                         kind, MAX_CONNECTIONS, MAX_CONNECTIONS, book.evicted)
 
     def _peer_allowed(self, stream: trio.SocketStream) -> str | None:
-        """For the control socket: only our own user (or root) may steer the run."""
+        """For the control socket: only our own user (or root), and never an agent.
+
+        The uid alone does not tell a root agent from the operator. Every agent runs in a
+        PID namespace of its own (bubblewrap's --unshare-pid), never in the guard's, so a
+        peer outside the guard's PID namespace, or one whose namespace cannot be read, is
+        refused: another run's agent included.
+        """
         creds = stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        _pid, uid, _gid = struct.unpack("3i", creds)
-        if uid in (0, os.geteuid()):
-            return None
-        return f"uid {uid} may not use the control socket (owner uid {os.geteuid()})"
+        pid, uid, _gid = struct.unpack("3i", creds)
+        if uid not in (0, os.geteuid()):
+            return f"uid {uid} may not use the control socket (owner uid {os.geteuid()})"
+        # pid 0: the peer lives in a PID namespace that is not below ours.
+        try:
+            same = pid > 0 and os.readlink(f"/proc/{pid}/ns/pid") == os.readlink("/proc/self/ns/pid")
+        except OSError as err:
+            return (f"cannot read the PID namespace of the peer (pid {pid}): {err.strerror}; "
+                    f"run guard's control verbs as uid {os.geteuid()} on the guard's host")
+        if not same:
+            return ("the control socket serves the operator on the guard's host, not a process in another "
+                    "PID namespace (an agent's sandbox); run guard approve/stop/status outside the sandbox")
+        return None
 
     async def _serve_conn(self, kind: str, stream: trio.SocketStream) -> None:
         """serve_listeners' handler for one connection (booked by the listener that accepted it)."""

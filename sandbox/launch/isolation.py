@@ -5,16 +5,26 @@ its own PID namespace (the guard is invisible there), the guarded mount at the w
 own path (covering the real directory), and the agent socket at ``/tmp/guard/agent.sock``.
 The run directory (control socket, ledger, logs) is covered by an empty tmpfs; only its
 ``exec/`` directory is bound writable at ``/tmp/guard/exec``, where ``guard exec`` keeps its
-logs, so they land on the host and outlive the run. As root,
-every capability is dropped. The last step, :mod:`sandbox.launch.enter`, adds Landlock (writes
-only beneath the workspace, /tmp, /dev and declared extras) and no_new_privs.
+logs, so they land on the host and outlive the run. As root, every capability is
+dropped. The last step, :mod:`sandbox.launch.enter`, adds Landlock (writes only beneath the
+workspace, /tmp, /dev and declared extras) and no_new_privs.
+
+What only root (or another user) may read on the host stays unreadable even to a root agent,
+whose uid 0 without capabilities still owns root's files: /root, /home (but an agent user's
+own home), the guard's run trees and every other live run's directory are covered by empty
+tmpfs, and every file and directory under /etc that others may not read (/etc/shadow, host
+keys, ...) by an unreadable stand-in. The agent stays root (tools and images that expect it
+keep working); these masks are what make root's secrets not its own. See :func:`host_secrets`.
+With ``[sandbox] network = "none"`` the agent also gets a network namespace of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
+import stat
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,15 +33,23 @@ from guardfs.errors import UnavailableError
 from sandbox.launch.landlock import LandlockUnavailable, abi_version
 
 __all__ = [
-    "SANDBOX_RUN_DIR", "Isolation", "IsolationUnavailable", "bind_read_only", "bwrap_argv",
-    "private_mount_namespace", "probe", "system_entry", "unbind",
+    "MAX_ETC_MASKS", "SANDBOX_RUN_DIR", "HostMasks", "Isolation", "IsolationUnavailable", "bind_read_only",
+    "bwrap_argv", "host_secrets", "mount_tmpfs", "private_mount_namespace", "probe", "system_entry", "unbind",
 ]
 
 #: Where the agent finds the guard inside the sandbox (GUARD_RUN_DIR).
 SANDBOX_RUN_DIR = "/tmp/guard"
+#: Trees covered by an empty tmpfs in every sandbox: root's and the users' homes (an agent
+#: of another user gets its own home back), and where guard keeps runs of other users' agents.
+HIDDEN_TREES = ("/root", "/home", "/var/lib/guardfs")
+#: More unreadable entries under /etc than this and /etc's scan stops masking files one by
+#: one (each mask is a mount): the run is refused rather than started half-masked.
+MAX_ETC_MASKS = 256
 
 _CLONE_NEWNS = 0x00020000
 _MS_RDONLY = 1
+_MS_NOSUID = 2
+_MS_NODEV = 4
 _MS_REMOUNT = 32
 _MS_BIND = 4096
 _MS_REC = 0x4000
@@ -96,21 +114,83 @@ def bind_read_only(source: str, target: str) -> None:
             raise OSError(err, f"binding {source} at {target}: {os.strerror(err)}")
 
 
+def mount_tmpfs(target: str, mode: int) -> None:
+    """Mount an empty tmpfs of *mode* at *target*, in this process's (private) mount namespace:
+    what is created in it exists for this guard and its sandbox only, never on the host."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    options = f"mode={mode:o},size=64m".encode()
+    if libc.mount(b"guardfs", target.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mounting a private tmpfs at {target}: {os.strerror(err)}")
+
+
+@dataclass(frozen=True)
+class HostMasks:
+    """What of the host the sandbox covers: directories (empty tmpfs), files (an unreadable
+    stand-in) and directories bound back read-only on top (an agent user's own home)."""
+
+    dirs: tuple[str, ...]
+    files: tuple[str, ...]
+    reveal: tuple[str, ...] = ()
+
+
+def host_secrets(own_home: str | None = None, other_runs: Sequence[str] = ()) -> HostMasks:
+    """The host's trees an agent must not read, whatever its uid: :data:`HIDDEN_TREES`, the
+    *other_runs* directories, and what under /etc others may not read. *own_home* (an agent
+    user's home) is bound back. Raises IsolationUnavailable past :data:`MAX_ETC_MASKS`."""
+    dirs = [d for d in (*HIDDEN_TREES, *other_runs) if os.path.isdir(d)]
+    dirs = [d for d in dirs if not any(d != o and d.startswith(o.rstrip("/") + "/") for o in dirs)]
+    files: list[str] = []
+    for dirpath, dirnames, filenames in os.walk("/etc"):
+        keep = []
+        for name in dirnames:
+            path = os.path.join(dirpath, name)
+            with contextlib.suppress(OSError):
+                st = os.lstat(path)
+                if stat.S_ISDIR(st.st_mode):
+                    if st.st_mode & 0o005 != 0o005:
+                        dirs.append(path)
+                    else:
+                        keep.append(name)
+        dirnames[:] = keep
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            with contextlib.suppress(OSError):
+                st = os.lstat(path)
+                if stat.S_ISREG(st.st_mode) and not st.st_mode & 0o004:
+                    files.append(path)
+        if len(files) + len(dirs) > MAX_ETC_MASKS:
+            raise IsolationUnavailable(f"more than {MAX_ETC_MASKS} files under /etc that other users may not "
+                                       "read; the sandbox masks each one and would need too many mounts")
+    reveal = (own_home,) if own_home and any(own_home.startswith(d.rstrip("/") + "/") for d in dirs) \
+        and os.path.isdir(own_home) else ()
+    return HostMasks(tuple(dirs), tuple(files), reveal)
+
+
 def unbind(target: str) -> None:
     """Detach whatever is mounted at *target* (nothing if nothing is)."""
     ctypes.CDLL(None, use_errno=True).umount2(target.encode(), _MNT_DETACH)
 
 
-def _keep_visible(covered: Sequence[str]) -> list[str]:
+def _traversable_by_all(path: str) -> bool:
+    """Whether every directory down to *path* lets any user through (o+x)."""
+    parts = path.strip("/").split("/")
+    return all(os.stat("/" + "/".join(parts[:i])).st_mode & 0o001 for i in range(len(parts) + 1))
+
+
+def _keep_visible(covered: Sequence[str], other_user: bool = False) -> list[str]:
     """Read-only binds for what the sandbox's own entry step needs (this Python, its
-    packages, guard itself) where a fresh tmpfs covers it (a venv under /tmp, say)."""
+    packages, guard itself) where a fresh tmpfs covers it (a venv under /tmp, say). For an
+    agent of another user (whose bubblewrap resolves the sources as that user), only what
+    that user can reach."""
     import sandbox
 
     needed = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.abspath(sandbox.__file__)))}
     out: list[str] = []
     for path in sorted(needed):
         real = os.path.realpath(path)
-        if any(real == c or real.startswith(c.rstrip("/") + "/") for c in covered):
+        if any(real == c or real.startswith(c.rstrip("/") + "/") for c in covered) and (
+                not other_user or _traversable_by_all(real)):
             out += ["--ro-bind", real, real]
     return out
 
@@ -141,6 +221,9 @@ def bwrap_argv(
     files: Sequence[tuple[str, str]] = (),
     over_workspace: Sequence[str] = (),
     exec_logs: str | None = None,
+    masks: HostMasks | None = None,
+    mask_file: str | None = None,
+    network: str = "host",
 ) -> list[str]:
     """The full command line that starts *command* isolated, in *cwd*.
 
@@ -149,8 +232,19 @@ def bwrap_argv(
     *over_workspace* are bubblewrap arguments applied right after the mount is bound at the
     workspace (the fast lanes and their masks); *exec_logs* is the host directory bound
     writable at ``GUARD_RUN_DIR/exec`` for ``guard exec``'s logs (the agent's user must be
-    able to write it).
+    able to write it); *masks* are the host's trees and files the agent must not read
+    (:func:`host_secrets`), files covered by *mask_file*, an empty mode-000 file;
+    *network* "none" gives the agent a network namespace of its own (loopback only).
     """
+    hidden = list(masks.dirs) if masks else []
+    cover: list[str] = []
+    for path in hidden:
+        cover += ["--tmpfs", path]
+    if masks and mask_file is not None:
+        for path in masks.files:
+            cover += ["--ro-bind", mask_file, path]
+    for path in masks.reveal if masks else ():
+        cover += ["--ro-bind", path, path]
     argv = [
         bwrap,
         "--die-with-parent",
@@ -159,7 +253,8 @@ def bwrap_argv(
         "--dev", "/dev",
         "--proc", "/proc",
         "--tmpfs", "/tmp",
-        *_keep_visible(["/tmp"]),
+        *cover,
+        *_keep_visible(["/tmp", *hidden], other_user=entry is not None),
         "--bind", mountpoint, workspace,
         *over_workspace,
         "--tmpfs", run_dir,
@@ -172,6 +267,8 @@ def bwrap_argv(
         argv += ["--ro-bind", source, dest]
     for path in writable:
         argv += ["--bind", path, path]
+    if network == "none":
+        argv.append("--unshare-net")  # a namespace of its own: loopback only, abstract sockets included
     if os.geteuid() == 0:
         argv += ["--cap-drop", "ALL"]
     if not pty:

@@ -100,12 +100,18 @@ def plan_lanes(manifest: Manifest, workspace: Path, max_masks: int = MAX_MASKS) 
         except FileNotFoundError:
             lanes.skipped.append(f"{declared}: does not exist")
             continue
-        if not stat.S_ISDIR(st.st_mode):
+        if (link := _symlinked_parent(root, declared)) is not None:
+            lanes.skipped.append(f"{declared}: {link} is a symlink; a lane is bound at its own path, so name "
+                                 "the real directory (it stays behind the mount)")
+        elif not stat.S_ISDIR(st.st_mode):
             lanes.skipped.append(f"{declared}: not a directory (a symlink is followed through the mount)")
         elif st.st_dev != dev:
             lanes.skipped.append(f"{declared}: another filesystem is mounted there")
         elif policy.classify(declared, True).scope is Scope.FORBIDDEN:
             lanes.skipped.append(f"{declared}: forbidden as a whole; it stays behind the mount")
+        elif _in_scope(policy, manifest.paths.allowed, declared):
+            lanes.skipped.append(f"{declared}: inside paths.allowed (the task writes there, a lane is read-only); "
+                                 "remove it from [sandbox] fast_lanes (it stays behind the mount)")
         elif any(Path(p) in Path(declared).parents for p in manifest.sandbox.fast_lanes):
             continue  # inside another declared lane
         else:
@@ -127,6 +133,23 @@ def plan_lanes(manifest: Manifest, workspace: Path, max_masks: int = MAX_MASKS) 
         lanes.masked_files += files
         lanes.masked_dirs += dirs
     return lanes
+
+
+def _symlinked_parent(root: Path, declared: str) -> str | None:
+    """The first directory above *declared* (relative to *root*) that is a symlink, if any."""
+    parts = declared.split("/")
+    for i in range(1, len(parts)):
+        if (root / "/".join(parts[:i])).is_symlink():
+            return "/".join(parts[:i])
+    return None
+
+
+def _in_scope(policy: PathPolicy, allowed: list[str], declared: str) -> bool:
+    """Whether *declared* is in scope, or an allowed directory lies beneath it."""
+    if policy.classify(declared, True).scope is Scope.ALLOWED:
+        return True
+    anchors = _anchors(allowed) or []
+    return any(a.startswith(declared + "/") for a in anchors)
 
 
 def _masks(root: Path, tree: str, policy: PathPolicy, limit: int) -> tuple[list[str] | None, list[str] | None]:

@@ -32,6 +32,7 @@ import pyfuse3
 import trio
 
 from guardfs.accounting import WriteAccounting
+from guardfs.errors import UsageError
 from guardfs.events import EventLog, printable
 from guardfs.manifest import Manifest
 from guardfs.mount import check_fuse_available, init_mount, keepalive, mount_options
@@ -42,13 +43,23 @@ from sandbox.breaker import Breaker, Effect, Effects, State
 from sandbox.breaker.daemon import Daemon
 from sandbox.breaker.ledger import write_ledger
 from sandbox.exitcodes import Exit
-from sandbox.launch.isolation import SANDBOX_RUN_DIR, bwrap_argv, private_mount_namespace, probe, system_entry
+from sandbox.launch.isolation import (
+    SANDBOX_RUN_DIR,
+    bwrap_argv,
+    host_secrets,
+    mount_tmpfs,
+    private_mount_namespace,
+    probe,
+    system_entry,
+    unbind,
+)
 from sandbox.launch.lanes import LaneStage, plan_lanes
 from sandbox.launch.quarantine import Recorder, console, digest
+from sandbox.launch.runs import live_run_dirs, registered
 from sandbox.launch.supervisor import ProcessTree, Spawner, wait_exit
 from sandbox.session import Session
 
-__all__ = ["SYSTEM_RUNS", "RunOptions", "default_run_dir", "run"]
+__all__ = ["BASE_ENV", "SYSTEM_RUNS", "RunOptions", "agent_environment", "default_run_dir", "run"]
 
 
 @dataclass
@@ -106,16 +117,17 @@ def run(opts: RunOptions) -> int:
     bwrap = _sandbox_tool(opts)
     run_dir = opts.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    # What the agent's side must reach (the mount, the agent socket) lives in the run
-    # directory, or, for an agent of another user, in a staging directory that user can
-    # traverse (the run directory stays private: it holds the control socket).
-    stage = run_dir if opts.user is None else Path(tempfile.mkdtemp(prefix="guardfs-stage-"))
-    os.chmod(stage, 0o711 if opts.user is not None else 0o700)  # the run directory: the guard's alone
-    mnt = stage / "mnt"
-    mnt.mkdir(exist_ok=True)
+    # What the agent's side must reach (the mount, the agent socket, the lanes' masks) lives,
+    # as root, in a staging directory under /tmp that only this guard's private mount
+    # namespace sees: a tmpfs mounted over an empty directory. On the host (and in any other
+    # run's sandbox) it stays empty; in the sandbox /tmp is a tmpfs of its own, whatever
+    # TMPDIR says; an agent of another user can traverse it (0711) to reach what is bound.
+    # Unprivileged, without a namespace of our own: the run directory, as before.
     if opts.agent in AGENTS and opts.user is None:
         compiled_helper()  # built (once per machine) before the mount is up, not in its loop
-    private = private_mount_namespace()  # before trio starts any thread
+    stage, private = _stage(opts)
+    mnt = stage / "mnt"
+    mnt.mkdir(exist_ok=True)
     _say(f"run directory {run_dir}")
     events = EventLog(run_dir / "events.jsonl", caps=opts.manifest.record)
     lane_stage = LaneStage(stage)
@@ -125,6 +137,8 @@ def run(opts: RunOptions) -> int:
         marker.write(str(opts.workspace))  # for an offline guard rollback
     session = Session(opts.manifest, opts.workspace, events, run_dir=run_dir, agent_path=stage / "agent.sock",
                       checkpoints=True, cache_timeout=opts.cache_timeout, xattrs=opts.xattrs)
+    for notice in session.notices:
+        _say(notice)
     breaker, accounting = session.breaker, session.accounting
     try:
         # No umask(0): the agent keeps the user's umask; the mount gives each node it creates
@@ -132,7 +146,7 @@ def run(opts: RunOptions) -> int:
         session.prepare()
         unmount = init_mount(session.fs, str(mnt), mount_options(f"guardfs:{opts.manifest.task.id}"))
         try:
-            with keepalive(str(mnt)):
+            with keepalive(str(mnt)), registered(run_dir):
                 outcome.failure = _serve(opts, bwrap, session, outcome, mnt, lane_args)
         finally:
             unmount()
@@ -141,9 +155,12 @@ def run(opts: RunOptions) -> int:
         events.close()
         lane_stage.cleanup()
         _keep_exec_logs(stage, run_dir)
+        (stage / "unreadable").unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             mnt.rmdir()
-            if stage != run_dir:
+        if stage != run_dir:
+            unbind(str(stage))
+            with contextlib.suppress(OSError):
                 stage.rmdir()
     _ledger_failure(run_dir, breaker, outcome.failure)  # after the daemon's last write
     status = _exit_status(outcome)
@@ -153,11 +170,26 @@ def run(opts: RunOptions) -> int:
     return status
 
 
+def _stage(opts: RunOptions) -> tuple[Path, bool]:
+    """The staging directory, and whether the guard has a private mount namespace (made
+    here, before trio starts any thread)."""
+    stage = Path(tempfile.mkdtemp(prefix="guardfs-stage-", dir="/tmp")) if os.geteuid() == 0 else opts.run_dir
+    private = private_mount_namespace()
+    if private:
+        mount_tmpfs(str(stage), 0o711 if opts.user is not None else 0o700)
+    else:
+        os.chmod(stage, 0o755)  # noqa: S103 - the agent (the same user) reaches agent.sock
+    return stage, private
+
+
 def _sandbox_tool(opts: RunOptions) -> str | None:
     """bubblewrap's path; None (said aloud) with --no-isolation. Raises IsolationUnavailable,
     which the CLI turns into 69."""
     if opts.isolation:
         return probe().bwrap
+    if opts.manifest.sandbox.network == "none":
+        raise UsageError('[sandbox] network = "none" needs the sandbox (its own network namespace); '
+                         "drop --no-isolation, or set network = \"host\"")
     _say("WARNING: --no-isolation: the agent runs unsandboxed; it can write anywhere its user can, "
          "and reach the real workspace; only the mount's own rules apply to what goes through it")
     return None
@@ -226,10 +258,25 @@ async def _main(
             services.cancel_scope.cancel()
 
 
+#: What an agent of another user gets of the guard's environment, beyond [sandbox] env.
+BASE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "LC_*", "TERM", "COLORTERM", "TZ")
+
+
+def agent_environment(environ: dict[str, str], allowed: list[str]) -> dict[str, str]:
+    """The variables of *environ* that :data:`BASE_ENV` or *allowed* name (a trailing '*':
+    a prefix), for an agent of another user: never the guard's whole environment."""
+    names = [*BASE_ENV, *allowed]
+    exact = {n for n in names if not n.endswith("*")}
+    prefixes = tuple(n[:-1] for n in names if n.endswith("*"))
+    return {k: v for k, v in environ.items() if k in exact or k.startswith(prefixes)}
+
+
 def _agent_argv(
     opts: RunOptions, bwrap: str | None, daemon: Daemon, pty: bool, mnt: Path, lane_args: list[str]
 ) -> tuple[list[str], Path, dict[str, str]]:
-    env = dict(os.environ)
+    # An agent of another user gets an allowlist of the guard's (root's) environment; an agent
+    # of the guard's own user, that user's environment as it started guard.
+    env = dict(os.environ) if opts.user is None else agent_environment(dict(os.environ), opts.manifest.sandbox.env)
     # `guard exec` and `guard hook` must be found inside; appended, so the agent's own
     # python and tools keep precedence.
     tools = f"{Path(sys.argv[0]).resolve().parent}:{Path(sys.executable).parent}"
@@ -254,12 +301,17 @@ def _agent_argv(
     if opts.user is not None:
         pw = pwd.getpwnam(opts.user)
         os.chown(exec_logs, pw.pw_uid, pw.pw_gid)
+    own_home = pwd.getpwnam(opts.user).pw_dir if opts.user is not None else None
+    mask_file = mnt.parent / "unreadable"
+    mask_file.touch(mode=0)
+    mask_file.chmod(0)
     argv = bwrap_argv(
         bwrap=bwrap, mountpoint=str(mnt), workspace=str(opts.workspace), run_dir=str(opts.run_dir),
         agent_socket=str(daemon.agent_path), cwd=str(cwd), command=command,
         writable=[str(p) for p in _extra_writable(opts)], pty=pty,
         entry=system_entry() if opts.user is not None else None, files=files, over_workspace=lane_args,
-        exec_logs=str(exec_logs),
+        exec_logs=str(exec_logs), masks=host_secrets(own_home, live_run_dirs(opts.run_dir)),
+        mask_file=str(mask_file), network=opts.manifest.sandbox.network,
     )
     if opts.user is not None:
         pw = pwd.getpwnam(opts.user)
