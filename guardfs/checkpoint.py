@@ -1,16 +1,27 @@
-"""Pre-images since the last checkpoint, so that a workspace can be rolled back.
+"""Pre-images of a run's restore points, so that a workspace can be rolled back.
 
-Before guardfs lets a path change for the first time after a checkpoint, it records how
+Before guardfs lets a path change for the first time after a restore point, it records how
 the path was: absent, a directory (its mode), a symlink (its target), or a file (its mode
 and a copy of its bytes). The index is a JSON-lines file appended and flushed as it goes,
 so it survives the guard being killed; ``guard rollback`` replays it in reverse.
 
+Restore points are generations: ``0000`` holds the pre-images of the run's start, each
+checkpoint (an operator's, or a passing test the agent reports) starts the next one, and
+none is ever dropped while the run goes on: whatever the agent reports, ``guard rollback
+--to start`` still reaches the start. A rollback to a point replays the generations from
+the newest down to that one, then forgets the later ones.
+
+The store is the guard's alone (directories 0700, files 0600, owned by the guard) and
+is validated when read: a record whose path leaves the workspace, whose blob is not one
+of the generation's own copies, or whose mode carries setuid, setgid or sticky bits is
+refused, naming the line, before anything is restored.
+
 A file's bytes are copied off the FUSE loop: a reflink (FICLONE) where the backing
 filesystem shares extents, else a copy of its data extents only (holes stay holes) in a
 worker thread. The request that changes the file waits for its copy; every other request
-goes on meanwhile. The copies of one generation may take at most ``[sandbox]
-checkpoint_max_bytes`` of file data; a file past that is recorded as not restorable, and
-a rollback names it and leaves it as it is.
+goes on meanwhile. The copies of all the run's restore points together may take at most
+``[sandbox] checkpoint_max_bytes`` of file data; a file past that is recorded as not
+restorable, and a rollback names it and leaves it as it is.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import stat
 from collections.abc import Callable
@@ -30,9 +42,13 @@ from typing import NotRequired, TextIO, TypedDict
 import trio
 
 from guardfs.backing import Backing
+from guardfs.errors import Exit, GuardError
 from guardfs.events import Emit
 
-__all__ = ["CHECKPOINT_MAX_BYTES", "PreImages", "Rollback", "last_rollback", "rollback_offline"]
+__all__ = [
+    "CHECKPOINT_MAX_BYTES", "CheckpointError", "PreImages", "Rollback", "last_rollback", "restore_points",
+    "rollback_offline",
+]
 
 _COPY_CHUNK = 1 << 20
 _FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
@@ -41,6 +57,47 @@ _NO_SHORTCUT = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno
 #: The default of ``[sandbox] checkpoint_max_bytes``.
 CHECKPOINT_MAX_BYTES = 1 << 30
 _LAST_ROLLBACK = "last-rollback.json"
+_POINTS = "points.jsonl"  # {"generation": n, "label": text}: which restore point each generation starts
+_CURRENT = "current"
+_INDEX = "index.jsonl"
+#: Labels kept per generation (an agent may report passing tests without changing anything).
+_MAX_LABELS = 64
+_MAX_LABEL_CHARS = 200
+_BLOB_NAME = re.compile(r"[0-9]{8}")
+_KINDS = frozenset({"absent", "dir", "symlink", "fifo", "file", "unrestorable"})
+_FIELDS = frozenset({"path", "kind", "mode", "target", "size", "blob"})
+
+
+class CheckpointError(GuardError):
+    """A restore point that cannot be used: its record was tampered with, or it does not exist."""
+
+    exit_code = Exit.DATAERR
+
+
+def _private_file(path: Path) -> int:
+    """Open *path* for appending, created 0600 (whatever the umask)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Replace *path* with *text*, 0600 (a reader sees the old or the new file, whole)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode("utf-8", "surrogateescape"))
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _private_dir(path: Path) -> None:
+    """Make directory *path*, 0700 (whatever the umask)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    os.chmod(path, 0o700, follow_symlinks=False)
 
 
 class _Record(TypedDict):
@@ -90,15 +147,20 @@ class PreImages:
         self.backing = backing
         self.store = store
         self.max_bytes = max_bytes
-        self.used = 0  # bytes of file data kept (or being copied) in this generation
+        self.used = 0  # bytes of file data kept (or being copied) for all the restore points
         self.generation = 0
         self.recorded: set[str] = set()  # recorded, or with a copy still pending
         self.last_rollback: Rollback | None = None
         self._emit = emit
         self._pending: dict[str, _Copy] = {}
         self._blobs = 0
+        self._used_by: dict[int, int] = {0: 0}  # bytes kept per generation
+        self._labels: dict[int, int] = {}  # labels written per generation
         self._index: TextIO | None = None
+        self.store.parent.mkdir(parents=True, exist_ok=True)
+        _private_dir(self.store)
         self._open_generation()
+        self._label("start")
 
     def _dir(self) -> Path:
         return self.store / f"{self.generation:04d}"
@@ -106,9 +168,22 @@ class PreImages:
     def _open_generation(self) -> None:
         if self._index is not None:
             self._index.close()
-        self._dir().mkdir(parents=True, exist_ok=True)
-        self._index = open(self._dir() / "index.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-        (self.store / "current").write_text(str(self.generation))
+        _private_dir(self._dir())
+        self._index = open(_private_file(self._dir() / _INDEX), "a", encoding="utf-8")  # noqa: SIM115
+        _write_private(self.store / _CURRENT, str(self.generation))
+
+    def _label(self, label: str) -> None:
+        """Name the current generation's restore point *label* too (at most _MAX_LABELS each)."""
+        written = self._labels.get(self.generation, 0)
+        if written >= _MAX_LABELS:
+            return
+        self._labels[self.generation] = written + 1
+        fd = _private_file(self.store / _POINTS)
+        try:
+            line = json.dumps({"generation": self.generation, "label": label[:_MAX_LABEL_CHARS]}) + "\n"
+            os.write(fd, line.encode("utf-8", "surrogateescape"))
+        finally:
+            os.close(fd)
 
     async def keep(self, *paths: str) -> None:
         """Record each of *paths* as it is now, unless recorded since the checkpoint, and
@@ -151,7 +226,8 @@ class PreImages:
         except FileNotFoundError:
             self._write({"path": path, "kind": "absent"})
             return
-        mode = stat.S_IMODE(st.st_mode)
+        # Never setuid, setgid or sticky: a rollback (maybe as root) must not make such a file.
+        mode = stat.S_IMODE(st.st_mode) & 0o777
         if stat.S_ISDIR(st.st_mode):
             self._write({"path": path, "kind": "dir", "mode": mode})
         elif stat.S_ISLNK(st.st_mode):
@@ -164,7 +240,7 @@ class PreImages:
                 if self._emit is not None:
                     self._emit("preimage", path, "allow", rule="sandbox.checkpoint_max_bytes", restorable=False,
                                reason=f"keeping {cost} bytes of {path} would pass checkpoint_max_bytes="
-                                      f"{self.max_bytes} ({self.used} kept since the checkpoint): "
+                                      f"{self.max_bytes} ({self.used} kept for this run's restore points): "
                                       f"guard rollback will leave it as it is")
                 return
             # Opened when the copy starts, not here: a tree that moves may hold many files.
@@ -172,6 +248,7 @@ class PreImages:
             # still names the same file then.
             self._blobs += 1
             self.used += cost
+            self._used_by[self.generation] = self._used_by.get(self.generation, 0) + cost
             blob = self._dir() / f"{self._blobs:08d}"
             self._pending[path] = _Copy(path, mode, blob, self.generation, cost)
         elif stat.S_ISFIFO(st.st_mode):
@@ -202,6 +279,7 @@ class PreImages:
             if copy.generation == self.generation:
                 self.recorded.discard(copy.path)  # the change is refused; the next one tries again
                 self.used -= copy.cost
+                self._used_by[copy.generation] -= copy.cost
             with contextlib.suppress(OSError):
                 copy.blob.unlink()
         else:
@@ -232,28 +310,48 @@ class PreImages:
         waiting = sum(c.done.statistics().tasks_waiting for c in running if c.done is not None)
         return {"copying": len(running), "waiting": waiting, "bytes": self.used}
 
-    def checkpoint(self) -> None:
-        """The workspace is known-good: forget older pre-images and start afresh."""
-        self._pending = {}  # copies not started are dropped: their requests record the paths again
-        old = self._dir()
-        self.generation += 1
-        self.recorded.clear()
-        self.used = 0
-        self._open_generation()
-        shutil.rmtree(old, ignore_errors=True)
+    def checkpoint(self, label: str = "") -> None:
+        """A new restore point named *label*: later changes are recorded afresh, and every
+        earlier point is kept. With nothing changed since the last point, that point takes
+        the label too (a flood of checkpoints costs no directories)."""
+        if self.recorded or self._pending:
+            # Copies not started are dropped: their requests record the paths again.
+            self._pending = {}
+            self.generation += 1
+            self.recorded.clear()
+            self._used_by[self.generation] = 0
+            self._open_generation()
+        self._label(label)
 
-    def rollback(self, on_changed: Callable[[str], None] | None = None) -> list[str]:
-        """Restore every recorded path; returns the paths restored (the files that could not
-        be are in :attr:`last_rollback`). Starts a new generation."""
+    def points(self) -> list[tuple[int, str]]:
+        """The restore points: (generation, label), oldest first."""
+        return _points(self.store, self.generation)
+
+    def rollback(self, on_changed: Callable[[str], None] | None = None, to: str = "last") -> list[str]:
+        """Restore every recorded path back to the restore point *to* (``start``, ``last``
+        or a label); returns the paths restored (the files that could not be are in
+        :attr:`last_rollback`). The points after it are forgotten. Raises CheckpointError
+        (and changes nothing) if *to* names no point or the store was tampered with."""
         assert self._index is not None
         self._index.flush()
-        result = _restore(self.backing, self._dir(), on_changed)
+        target = _generation_for(self.store, self.generation, to)
+        result = _restore_to(self.backing, self.store, self.generation, target, on_changed)
         self.last_rollback = result
         if self._emit is not None:
             for path in result.not_restorable:
                 self._emit("rollback", path, "allow", restored=False, rule="sandbox.checkpoint_max_bytes",
                            reason=f"{path} was not restored: its pre-image passed checkpoint_max_bytes")
-        self.checkpoint()
+        self._index.close()
+        self._index = None
+        self._pending = {}
+        _forget_after(self.store, self.generation, target)
+        self.generation = target
+        self.recorded.clear()
+        self._used_by = {g: n for g, n in self._used_by.items() if g < target}
+        self._used_by[target] = 0
+        self._labels = {g: n for g, n in self._labels.items() if g <= target}
+        self.used = sum(self._used_by.values())
+        self._open_generation()
         return result.restored
 
     def close(self) -> None:
@@ -324,17 +422,158 @@ def _copy_range(src: int, out: int, offset: int, count: int) -> None:
             offset += written
 
 
+def _check_private(path: Path, what: str) -> os.stat_result:
+    """lstat *path* and refuse it unless it is the guard's own: not a symlink, owned by
+    this user, writable by no one else."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} {path} is missing: the run's restore points cannot be read") from None
+    if stat.S_ISLNK(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise CheckpointError(
+            f"{what} {path} is not the guard's own (a symlink, owned by uid {st.st_uid}, or writable by others: "
+            f"mode {stat.S_IMODE(st.st_mode):04o}); refusing to restore from it. Inspect the run directory "
+            "before trusting anything in it")
+    return st
+
+
+def _bad(index: Path, number: int, line: str, why: str) -> CheckpointError:
+    shown = line if len(line) <= 200 else f"{line[:200]}..."
+    return CheckpointError(
+        f"{index}:{number}: refusing the checkpoint index: {why}: {shown!r}. The guard writes this file "
+        "alone; someone else changed it. Nothing was restored")
+
+
+def _confined(path: object) -> bool:
+    """Whether *path* is a plain relative path beneath the workspace."""
+    if not isinstance(path, str) or not path or "\0" in path or path.startswith("/"):
+        return False
+    return all(part not in ("", ".", "..") for part in path.split("/"))
+
+
+def _check_record(rec: object) -> str | None:
+    """What is wrong with one decoded index line, or None."""
+    if not isinstance(rec, dict):
+        return "not a JSON object"
+    if extra := set(rec) - _FIELDS:
+        return f"unknown field(s) {', '.join(sorted(extra))}"
+    if rec.get("kind") not in _KINDS:
+        return f"kind must be one of {', '.join(sorted(_KINDS))}"
+    if not _confined(rec.get("path")):
+        return "the path is not confined beneath the workspace"
+    if "mode" in rec:
+        mode = rec["mode"]
+        if not isinstance(mode, int) or isinstance(mode, bool) or not 0 <= mode <= 0o777:
+            return "the mode must be permission bits only (never setuid, setgid or sticky)"
+    kind = rec["kind"]
+    if kind in ("dir", "fifo", "file", "unrestorable") and "mode" not in rec:
+        return f"a {kind} record needs a mode"
+    if kind == "file" and not (isinstance(rec.get("blob"), str) and _BLOB_NAME.fullmatch(rec["blob"])):
+        return "the blob must name one of the generation's own copies (8 digits)"
+    if kind != "file" and "blob" in rec:
+        return "only a file record has a blob"
+    if kind == "symlink" and not (isinstance(rec.get("target"), str) and "\0" not in rec["target"]):
+        return "a symlink record needs a target"
+    if "size" in rec and (not isinstance(rec["size"], int) or rec["size"] < 0):
+        return "the size must be a count of bytes"
+    return None
+
+
 def _records(generation_dir: Path) -> list[_Record]:
-    index = generation_dir / "index.jsonl"
-    if not index.exists():
-        return []
+    """The validated records of one generation; raises CheckpointError naming a bad line."""
+    index = generation_dir / _INDEX
+    _check_private(generation_dir, "restore point")
+    try:
+        _check_private(index, "checkpoint index")
+    except CheckpointError:
+        if not os.path.lexists(index):
+            return []  # nothing was recorded in it yet
+        raise
+    text = index.read_text(encoding="utf-8", errors="surrogateescape")
+    lines = text.split("\n")
     out: list[_Record] = []
-    for line in index.read_text(encoding="utf-8").splitlines():
+    for number, line in enumerate(lines, 1):
+        if not line:
+            continue
         try:
-            out.append(json.loads(line))
+            rec = json.loads(line)
         except json.JSONDecodeError:
-            break  # a line cut short by a kill: everything before it is whole
+            if number == len(lines):
+                break  # the last line, cut short by a kill: everything before it is whole
+            raise _bad(index, number, line, "not JSON") from None
+        if (why := _check_record(rec)) is not None:
+            raise _bad(index, number, line, why)
+        out.append(rec)
     return out
+
+
+def _points(store: Path, current: int) -> list[tuple[int, str]]:
+    """The restore points of *store*: (generation, label), oldest first; 0 is the start."""
+    points: list[tuple[int, str]] = [(0, "start")]
+    path = store / _POINTS
+    if not os.path.lexists(path):
+        return points
+    _check_private(path, "restore point list")
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="surrogateescape").split("\n"), 1):
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # cut short by a kill
+        if (not isinstance(rec, dict) or not isinstance(rec.get("label"), str)
+                or not isinstance(rec.get("generation"), int) or not 0 <= rec["generation"] <= current):
+            raise _bad(path, number, line, f"a restore point is a generation 0..{current} and a label")
+        if (rec["generation"], rec["label"]) != (0, "start"):
+            points.append((rec["generation"], rec["label"]))
+    return points
+
+
+def _generation_for(store: Path, current: int, to: str) -> int:
+    """The generation of restore point *to*: ``start``, ``last``, or a label (its latest)."""
+    if to == "start":
+        return 0
+    if to == "last":
+        return current
+    named = [g for g, label in _points(store, current) if label == to]
+    if not named:
+        labels = sorted({label for _, label in _points(store, current) if label})
+        shown = ", ".join(repr(label) for label in labels[:20]) + (" ..." if len(labels) > 20 else "")
+        raise CheckpointError(f"no restore point is labelled {to!r}; give start, last or one of: {shown}")
+    return max(named)
+
+
+def _restore_to(
+    backing: Backing, store: Path, current: int, target: int, on_changed: Callable[[str], None] | None,
+) -> Rollback:
+    """Replay the generations from *current* down to *target*: the workspace as it was at
+    restore point *target*. Every index is validated before anything changes."""
+    _check_private(store, "checkpoint store")
+    records = {g: _records(store / f"{g:04d}") for g in range(current, target - 1, -1)}
+    restored: list[str] = []
+    not_restorable: set[str] = set()
+    for g, recs in records.items():  # newest first
+        done = _restore(backing, store / f"{g:04d}", recs, on_changed)
+        not_restorable -= set(done.restored)  # an older point had its bytes
+        not_restorable |= set(done.not_restorable)
+        restored += [p for p in done.restored if p not in restored]
+    result = Rollback([p for p in restored if p not in not_restorable], sorted(not_restorable))
+    _write_private(store / _LAST_ROLLBACK,
+                   json.dumps({"restored": result.restored, "not_restorable": result.not_restorable}) + "\n")
+    return result
+
+
+def _forget_after(store: Path, current: int, target: int) -> None:
+    """After a rollback to *target*: forget the later points, and empty *target*'s own
+    records (the workspace is as it was then)."""
+    for g in range(current, target - 1, -1):
+        shutil.rmtree(store / f"{g:04d}", ignore_errors=True)
+    _private_dir(store / f"{target:04d}")
+    kept = [json.dumps({"generation": g, "label": label}) for g, label in _points(store, current)
+            if g <= target and (g, label) != (0, "start")]
+    _write_private(store / _POINTS, "".join(f"{line}\n" for line in [json.dumps(
+        {"generation": 0, "label": "start"}), *kept]))
+    _write_private(store / _CURRENT, str(target))
 
 
 def _remove(backing: Backing, path: str) -> None:
@@ -372,9 +611,11 @@ def _at_checkpoint(records: list[_Record]) -> list[_Record]:
     return out
 
 
-def _restore(backing: Backing, generation_dir: Path, on_changed: Callable[[str], None] | None) -> Rollback:
-    """Restore from *generation_dir*; the outcome is also kept in the store's last-rollback.json."""
-    everything = _at_checkpoint(_records(generation_dir))
+def _restore(
+    backing: Backing, generation_dir: Path, validated: list[_Record], on_changed: Callable[[str], None] | None,
+) -> Rollback:
+    """Restore one generation's *validated* records (read from *generation_dir*)."""
+    everything = _at_checkpoint(validated)
     # A file whose pre-image passed the cap stays as it is, in both passes.
     records = [r for r in everything if r["kind"] != "unrestorable"]
     not_restorable = sorted({r["path"] for r in everything if r["kind"] == "unrestorable"})
@@ -403,8 +644,10 @@ def _restore(backing: Backing, generation_dir: Path, on_changed: Callable[[str],
         elif kind == "file":
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, rec["mode"], dir_fd=dir_fd)
             try:
-                src = os.open(generation_dir / rec["blob"], os.O_RDONLY | os.O_CLOEXEC)
+                src = os.open(generation_dir / rec["blob"], os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
                 try:
+                    if not stat.S_ISREG(os.fstat(src).st_mode):
+                        raise CheckpointError(f"{generation_dir / rec['blob']} is not a copy the guard made")
                     _clone(src, fd)
                 finally:
                     os.close(src)
@@ -415,10 +658,7 @@ def _restore(backing: Backing, generation_dir: Path, on_changed: Callable[[str],
     if on_changed is not None:
         for path in changed:
             on_changed(path)
-    result = Rollback(changed, not_restorable)
-    (generation_dir.parent / _LAST_ROLLBACK).write_text(
-        json.dumps({"restored": changed, "not_restorable": not_restorable}) + "\n", encoding="utf-8")
-    return result
+    return Rollback(changed, not_restorable)
 
 
 def last_rollback(store: Path) -> Rollback | None:
@@ -430,11 +670,31 @@ def last_rollback(store: Path) -> Rollback | None:
     return Rollback(list(data["restored"]), list(data["not_restorable"]))
 
 
-def rollback_offline(workspace: str, store: Path) -> Rollback:
-    """Roll *workspace* back to its last checkpoint, with no guard running."""
-    current = (store / "current").read_text().strip() if (store / "current").exists() else "0000"
+def _current(store: Path) -> int:
+    path = store / _CURRENT
+    if not os.path.lexists(path):
+        return 0
+    _check_private(path, "restore point marker")
+    text = path.read_text(encoding="utf-8", errors="replace").strip()
+    if not text.isdigit() or not text.isascii():
+        raise CheckpointError(f"{path} should hold a generation number, not {text[:40]!r}")
+    return int(text)
+
+
+def restore_points(store: Path) -> list[tuple[int, str]]:
+    """The restore points kept in *store* (live or offline): (generation, label), oldest first."""
+    return _points(store, _current(store))
+
+
+def rollback_offline(workspace: str, store: Path, to: str = "last") -> Rollback:
+    """Roll *workspace* back to restore point *to* (``start``, ``last`` or a label), with
+    no guard running. Raises CheckpointError, changing nothing, if the store was tampered with."""
+    current = _current(store)
+    target = _generation_for(store, current, to)
     backing = Backing(workspace)
     try:
-        return _restore(backing, store / f"{int(current):04d}", None)
+        result = _restore_to(backing, store, current, target, None)
     finally:
         backing.close()
+    _forget_after(store, current, target)
+    return result

@@ -142,6 +142,13 @@ class Emit(Protocol):
         ...
 
 
+def _private(path: str, flags: int) -> int:
+    """os.open for the event log: created 0600."""
+    fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
 class EventLog:
     """Appends events to a JSONL file (or keeps them in memory when no file is given).
 
@@ -167,7 +174,8 @@ class EventLog:
         self._size = 0
         self._file: TextIO | None = None
         if path is not None:
-            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the log
+            # 0600: the run's record is the guard's, whatever the umask.
+            self._file = open(path, "a", encoding="utf-8", opener=_private)  # noqa: SIM115 - lives as long as the log
             self._size = os.fstat(self._file.fileno()).st_size
 
     def emit(self, op: str, path: str, decision: str, **fields: object) -> dict[str, object]:

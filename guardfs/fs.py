@@ -96,6 +96,15 @@ def _command_name(pid: int) -> str:
         return ""
 
 
+def _apply_mode(created: int, wanted: int, chmod: Callable[[int], None]) -> None:
+    """Give a node the guard just made the permission bits the kernel passed (the caller's
+    umask already applied), which the guard's own umask may have narrowed."""
+    have = stat.S_IMODE(created)
+    mode = (have & ~0o777) | (wanted & 0o777)
+    if mode != have:
+        chmod(mode)
+
+
 def _join(parent: str, name: str) -> str:
     return f"{parent}/{name}" if parent else name
 
@@ -292,12 +301,13 @@ class GuardFS(pyfuse3.Operations):
             else:
                 await self.preimages.keep(path)
 
-    def rollback(self) -> list[str]:
-        """Restore the workspace to the last checkpoint and make the kernel forget what it
-        cached of the restored paths. Call from the event loop, outside any request."""
+    def rollback(self, to: str = "last") -> list[str]:
+        """Restore the workspace to restore point *to* (``start``, ``last`` or a label) and
+        make the kernel forget what it cached of the restored paths. Call from the event
+        loop, outside any request."""
         if self.preimages is None:
             raise FUSEError(errno.ENOTSUP)
-        changed = self.preimages.rollback()
+        changed = self.preimages.rollback(to=to)
         by_path = {e.path: e for e in self.inodes if not e.virtual}
         for path in changed:
             parent = by_path.get(path.rpartition("/")[0])
@@ -316,13 +326,16 @@ class GuardFS(pyfuse3.Operations):
 
     async def _created(
         self, op: str, path: str, where: Classification, ctx: pyfuse3.RequestContext,
-        make: Callable[[int, str], None],
+        make: Callable[[int, str], None], mode: int | None = None,
     ) -> pyfuse3.EntryAttributes:
         """Judge, create with *make(dir_fd, name)*, and hand the new entry to the kernel."""
         request = self.gate.ask(op, path, where, counts=op != "mkdir")
         await self._pre(path)
         dir_fd, name = self.backing.parent(path)
         make(dir_fd, name)
+        if mode is not None:
+            _apply_mode(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode, mode,
+                        lambda m: os.chmod(name, m, dir_fd=dir_fd))
         self._chown_new(name, dir_fd, ctx)
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         entry = self.inodes.remember(st.st_ino, st.st_mode, path, where)
@@ -451,7 +464,7 @@ class GuardFS(pyfuse3.Operations):
         _, path = self._child(parent_inode, name)
         where = self._where(path, None, False)
         return await self._created(
-            "mknod", path, where, ctx, lambda d, n: os.mknod(n, mode, 0, dir_fd=d)
+            "mknod", path, where, ctx, lambda d, n: os.mknod(n, mode, 0, dir_fd=d), mode
         )
 
     @_fuse_errors
@@ -462,7 +475,7 @@ class GuardFS(pyfuse3.Operations):
         """Create a directory (directories do not count toward the blast radius)."""
         _, path = self._child(parent_inode, name)
         where = self._where(path, None, True)
-        return await self._created("mkdir", path, where, ctx, lambda d, n: os.mkdir(n, mode, dir_fd=d))
+        return await self._created("mkdir", path, where, ctx, lambda d, n: os.mkdir(n, mode, dir_fd=d), mode)
 
     @_fuse_errors
     async def symlink(
@@ -674,6 +687,7 @@ class GuardFS(pyfuse3.Operations):
             cflags = (cflags & ~os.O_ACCMODE) | os.O_RDWR  # a write session reads it back at flush
         fd = os.open(n, cflags, mode, dir_fd=dir_fd)
         try:
+            _apply_mode(os.fstat(fd).st_mode, mode, lambda m: os.fchmod(fd, m))
             if self._as_root and (ctx.uid, ctx.gid) != (0, 0):
                 os.fchown(fd, ctx.uid, ctx.gid)
         except OSError:

@@ -150,8 +150,9 @@ def _parser() -> argparse.ArgumentParser:
         ("approve", "resume a run after a trip (optionally raising the limit that tripped)"),
         ("stop", "stop a run"),
         ("checkpoint", "mark a known-good point in a run"),
-        ("rollback", "restore the workspace of a guard run to its last checkpoint (the run's start, "
-                     "the last passing test or guard checkpoint); works also after the run ended"),
+        ("rollback", "restore the workspace of a guard run to a restore point: the run's start, the last "
+                     "one (a passing test or guard checkpoint, the default) or a labelled one; works also "
+                     "after the run ended"),
     ):
         cmd = sub.add_parser(name, help=text, description=text + " (over the control socket in D).")
         cmd.add_argument("--run-dir", metavar="D", required=True, help="the run directory of the guard")
@@ -162,6 +163,10 @@ def _parser() -> argparse.ArgumentParser:
                              help="new value for the limit that tripped (must be higher)")
         if name == "checkpoint":
             cmd.add_argument("--label", default="", help="a name for the checkpoint")
+        if name == "rollback":
+            cmd.add_argument("--to", default="last", metavar="start|last|LABEL",
+                             help="the restore point: start (the run's start), last (default), or a "
+                                  "checkpoint's label (its latest)")
 
     feed = sub.add_parser(
         "feed",
@@ -241,7 +246,6 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         if run_dir is None:
             with Session(manifest, args.backing, events, cache_timeout=args.cache_timeout,
                          xattrs=args.xattrs) as session:
-                os.umask(0)  # the kernel already applied the caller's umask to every mode we get
                 serve(session.fs, args.mountpoint,
                       on_ready=lambda: log.info("serving %s at %s", args.backing, args.mountpoint))
             return Exit.OK
@@ -267,7 +271,6 @@ def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: Eve
         print(f"guard mount: {err}", file=sys.stderr)
         return Exit.USAGE
     try:
-        os.umask(0)
         print(f"guard: run directory {run_dir} (agent socket {session.daemon.agent_path})", file=sys.stderr)
         serve(session.fs, args.mountpoint, companions=[session.daemon.run])
     finally:
@@ -332,15 +335,16 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return Exit.OK
 
 
-def _cmd_rollback_offline(run_dir: Path, unreachable: Exception) -> int:
-    """Roll back the workspace of a run whose guard has ended (*unreachable* says why no guard answered)."""
+def _cmd_rollback_offline(run_dir: Path, unreachable: Exception, to: str) -> int:
+    """Roll back the workspace of a run whose guard has ended to restore point *to*
+    (*unreachable* says why no guard answered)."""
     from guardfs.checkpoint import rollback_offline
 
     marker = run_dir / "workspace"
     if not marker.exists() or not (run_dir / "checkpoint").is_dir():
         raise _no_guard(run_dir, unreachable, "nor does it hold a finished guard run to roll back")
-    rollback_offline(marker.read_text().strip(), run_dir / "checkpoint")
-    return _say_rolled_back(run_dir)
+    rollback_offline(marker.read_text().strip(), run_dir / "checkpoint", to)
+    return _say_rolled_back(run_dir, to)
 
 
 def _no_guard(run_dir: Path, err: Exception, more: str = "") -> UnavailableError:
@@ -351,15 +355,17 @@ def _no_guard(run_dir: Path, err: Exception, more: str = "") -> UnavailableError
     )
 
 
-def _say_rolled_back(run_dir: Path) -> int:
-    """Report the last rollback of *run_dir*, naming each file it could not restore."""
+def _say_rolled_back(run_dir: Path, to: str) -> int:
+    """Report the last rollback of *run_dir* (to restore point *to*), naming each file it
+    could not restore."""
     from guardfs.checkpoint import last_rollback
 
+    point = {"last": "the last checkpoint", "start": "the run's start"}.get(to, f"checkpoint {to!r}")
     done = last_rollback(run_dir / "checkpoint")
     if done is None:  # a guard of an older version: it kept no account
-        print("restored the workspace to the last checkpoint")
+        print(f"restored the workspace to {point}")
         return Exit.OK
-    print(f"restored {len(done.restored)} path(s) to the last checkpoint")
+    print(f"restored {len(done.restored)} path(s) to {point}")
     for path in done.not_restorable:
         shown = path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
         print(f"NOT restored: {shown} (its pre-image would have passed [sandbox] checkpoint_max_bytes; "
@@ -383,15 +389,15 @@ def _cmd_control(args: argparse.Namespace) -> int:
             elif args.verb == "checkpoint":
                 reply = guard.checkpoint(args.label)
             else:
-                reply = guard.request({"type": "rollback"})
+                reply = guard.request({"type": "rollback", "to": args.to})
     except GuardUnreachable as err:
         if args.verb == "rollback":
-            return _cmd_rollback_offline(run_dir, err)  # the run is over
+            return _cmd_rollback_offline(run_dir, err, args.to)  # the run is over
         raise _no_guard(run_dir, err) from err
     except GuardClientError as err:  # the guard answered, and refused the request
         raise type(err)(f"the guard in run directory {run_dir} refused {args.verb}: {err}") from err
     if args.verb == "rollback":
-        return _say_rolled_back(run_dir)
+        return _say_rolled_back(run_dir, args.to)
     if args.verb == "status":
         print(json.dumps(reply["ledger"], indent=2) if args.json else render_state(reply["ledger"]), end="")
         return Exit.OK

@@ -22,6 +22,7 @@ from types import TracebackType
 
 from guardfs.accounting import WriteAccounting
 from guardfs.decision import Request, Verdict
+from guardfs.errors import GuardError
 from guardfs.events import EventLog
 from guardfs.fs import GuardFS
 from guardfs.gitscope import ForbiddenInGitError, GitScope
@@ -218,17 +219,23 @@ class Session:
     def carry_out(self, effects: Effects) -> None:
         """Do what the breaker decided: checkpoint and rollback here, the rest by the listeners."""
         if Effect.CHECKPOINT in effects and self.fs.preimages is not None:
-            self.fs.preimages.checkpoint()
+            # A restore point added; none is ever dropped for it (an agent's report may be false).
+            points = self.breaker.checkpoints
+            self.fs.preimages.checkpoint(str(points[-1]["label"]) if points else "")
         if Effect.ROLLBACK in effects:
             if self.fs.preimages is None:
                 log.warning("the breaker asked for a rollback, but this guard keeps no pre-images")
             else:
-                self.rollback()
+                try:
+                    self.rollback()
+                except GuardError as err:  # a tampered store: nothing restored, the run goes on
+                    log.error("the breaker asked for a rollback, and it was refused: %s", err)
         for listener in list(self._listeners):
             listener(effects)
 
-    def rollback(self) -> int:
-        """Restore the workspace to the last checkpoint; returns how many paths changed.
-        GuardFS records the one ``rollback`` event. Call from the event loop, outside any
-        request."""
-        return len(self.fs.rollback())
+    def rollback(self, to: str = "last") -> int:
+        """Restore the workspace to restore point *to* (``start``, ``last`` or a label);
+        returns how many paths changed. GuardFS records the one ``rollback`` event. Raises
+        :class:`~guardfs.checkpoint.CheckpointError`, changing nothing, for an unknown
+        point or a tampered store. Call from the event loop, outside any request."""
+        return len(self.fs.rollback(to))

@@ -283,10 +283,12 @@ def test_distinct_calls_are_remembered_by_digest_and_bounded() -> None:
     assert all(len(call.text) <= 2000 for call in b._c.calls)
 
 
-def test_passing_test_is_progress_and_notes_reach_the_snapshot() -> None:
+def test_passing_test_after_a_change_is_progress_and_notes_reach_the_snapshot() -> None:
+    # Issue 12: a reported passing test is progress only after a real in-scope change.
     b, _ = make()
     b.step(tokens_in=900)
-    b.step(tool="Bash", args={"cmd": "pytest tests/checkout"})
+    assert write(b, "src/checkout/a.py").allow
+    b.step(tokens_in=100, tool="Bash", args={"cmd": "pytest tests/checkout"})
     b.tool_result("Bash", 0, "pytest tests/checkout")
     assert b.snapshot()["tokens"]["since_progress"] == 0
     b.note("disproved", "rounding is not the bug")

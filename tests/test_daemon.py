@@ -211,6 +211,7 @@ async def test_control_socket_checks_peer_credentials() -> None:
     base = Path(tempfile.mkdtemp(prefix="guardfs-peercred-"))
     os.chmod(base, 0o755)  # noqa: S103 - the other user must reach the socket
     async with running_daemon(base) as d:
+        os.chmod(d.run_dir, 0o755)  # noqa: S103 - the guard made it 0700 (issue 12); reopened for the test
         os.chmod(d.control_path, 0o666)  # noqa: S103 - so that only the credential check stands
         code = (
             "import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]);"

@@ -34,7 +34,7 @@ from typing import Any
 
 import trio
 
-from guardfs.errors import UsageError
+from guardfs.errors import GuardError, UsageError
 from guardfs.events import EventLog, json_safe
 from sandbox.agents.fasthook import GuardUnreachable, HookPayloadError, decide, refuse_malformed
 from sandbox.breaker import Breaker, Effect, Effects, Reply
@@ -172,8 +172,9 @@ class Daemon:
 
     Built by :class:`~sandbox.session.Session`. *workspace* is where the agent sees the
     workspace (hook paths are relative to it); *on_effects* carries out what the breaker's
-    replies require; *on_rollback* is the operator's ``rollback`` (None: this guard keeps no
-    pre-images); *on_stop* runs after the reply to ``stop`` went out.
+    replies require; *on_rollback* is the operator's ``rollback`` to a restore point
+    (``start``, ``last`` or a label; None: this guard keeps no pre-images); *on_stop*
+    runs after the reply to ``stop`` went out.
     """
 
     def __init__(
@@ -184,7 +185,7 @@ class Daemon:
         events: EventLog,
         *,
         on_effects: Callable[[Effects], None] | None = None,
-        on_rollback: Callable[[], int] | None = None,
+        on_rollback: Callable[[str], int] | None = None,
         on_stop: Callable[[], None] | None = None,
         agent_path: Path | None = None,
     ) -> None:
@@ -206,7 +207,9 @@ class Daemon:
     def prepare(self) -> None:
         """Create the run directory and claim it; raise RunDirBusy if a guard serves it."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.run_dir, 0o755)  # noqa: S103 - the agent (maybe another user) reaches agent.sock
+        # The guard's alone: its record, restore points and control socket. An agent of
+        # another user reaches its socket through a staging directory (guard run --user).
+        os.chmod(self.run_dir, 0o700)
         for path in (self.agent_path, self.control_path):
             if path.exists():
                 probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -397,10 +400,13 @@ class Daemon:
             raise GuardUnreachable(str(reply.get("error")))
         return reply
 
-    def _rollback(self) -> dict[str, Any]:
+    def _rollback(self, to: str) -> dict[str, Any]:
         if self.on_rollback is None:
             return error_reply("this guard keeps no pre-images (rollback is for guard run)")
-        restored = self.on_rollback()
+        try:
+            restored = self.on_rollback(to)
+        except GuardError as err:  # no such restore point, or a tampered store: nothing changed
+            return error_reply(str(err))
         return {"v": VERSION, "ok": True, "state": self.breaker.state.value, "restored": restored}
 
     def _dispatch(self, msg: Any, kind: str) -> dict[str, Any]:
@@ -436,7 +442,7 @@ class Daemon:
             case Checkpoint():
                 return self._answer(b.checkpoint(msg.label))
             case Rollback():
-                return self._rollback()
+                return self._rollback(msg.to)
         raise AssertionError(f"unhandled message {msg!r}")  # the parsers admit nothing else
 
     def _relative(self, paths: list[str]) -> tuple[list[str], list[str]]:

@@ -85,10 +85,10 @@ def render_state(snap: dict[str, Any]) -> str:
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace *path* with *data* so that readers see the old or the new file, whole."""
     tmp = path.with_name(f".{path.name}.tmp")
-    # An explicit mode: `guard run` works under umask 0 (for the agent's file modes), and a
-    # world-writable ledger would let any local user rewrite the run's verdict.
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644), "wb") as f:
-        os.fchmod(f.fileno(), 0o644)  # a temporary left behind by a killed guard keeps its old mode
+    # An explicit mode, whatever the umask: the ledger is the guard's record, for the guard's
+    # user alone (a writable one would let a local user rewrite the run's verdict).
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "wb") as f:
+        os.fchmod(f.fileno(), 0o600)  # a temporary left behind by a killed guard keeps its old mode
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -8,9 +8,13 @@ go to an injected sink.
 States follow the classic breaker. CLOSED → (first recoverable trip) → HALF_OPEN_REANCHOR:
 the offending operation is refused with corrective feedback. A trip that had no operation
 of its own to refuse (a token surge, a repeated call) refuses the agent's next mutation or
-check instead, so the feedback reaches it. In HALF_OPEN, the next in-scope mutation or
-passing tool result closes the breaker; another violation makes it OPEN_<RULE>, terminal
-until an operator approves.
+check instead, so the feedback reaches it. In HALF_OPEN, the next in-scope mutation closes
+the breaker; another violation makes it OPEN_<RULE>, terminal until an operator approves.
+
+A test result is the agent's word (its exit code and command text are whatever it
+reports): a passing one adds a restore point, and counts as progress only once per real
+in-scope change since the last (it never closes HALF_OPEN on its own, and never drops a
+restore point).
 
 What must happen in the world because of a decision (freeze the agent, mark a checkpoint,
 roll back) is not done here: each reply carries it as :class:`Effect` values, and the
@@ -197,6 +201,8 @@ class Breaker:
         # Effects decided during the current call; the reply it returns takes them along.
         self._effects: set[Effect] = set()
         self._refuse_next = False
+        # A real in-scope change landed since the last passing test the agent reported.
+        self._changed_since_test = False
         self._c = _Counters(window=collections.deque(maxlen=self.limits.window_steps))
         self._last_activity: float | None = None  # armed by the first agent message
 
@@ -249,6 +255,7 @@ class Breaker:
         if plan is not None and plan.cycle:
             self._trip(Rule.OSCILLATION, f"{plan.path} returned to an earlier version of itself (A→B→A)", None)
         elif request.where.scope.counted and not (plan is not None and plan.unchanged):
+            self._changed_since_test = True
             self._progress()  # a write that leaves the content as it was is no progress
         return self._take_effects()
 
@@ -308,7 +315,8 @@ class Breaker:
         return Reply(not state.terminal, state, self.last_feedback, warning)
 
     def tool_result(self, tool: str, exit_code: int, summary: str = "") -> Reply:
-        """A tool finished: failures in a row, stagnation, and passing tests as progress."""
+        """A tool finished: failures in a row, stagnation, and passing tests as restore points
+        (progress only after a real in-scope change: the agent's report alone proves nothing)."""
         self._touch()
         c = self._c
         if c.calls and c.calls[-1].failed is None:
@@ -317,7 +325,8 @@ class Breaker:
         if exit_code == 0:
             c.consecutive_failures = 0
             if _TEST_COMMAND.search(f"{tool} {summary} {c.calls[-1].text if c.calls else ''}"):
-                self._checkpoint(f"passing test: {summary or tool}"[:120])  # also progress
+                self._checkpoint(f"passing test: {summary or tool}"[:120], progress=self._changed_since_test)
+                self._changed_since_test = False
             self._changed()
             return self._out(Reply(not self.state.terminal, self.state, self._feedback_if_halted()))
         c.consecutive_failures += 1
@@ -426,14 +435,16 @@ class Breaker:
         return Reply(False, self.state, self.last_feedback, effects=frozenset({Effect.HALT}))
 
     def checkpoint(self, label: str = "") -> Reply:
-        """Mark a checkpoint (a known-good point): counts as progress."""
+        """An operator marks a checkpoint (a known-good point): counts as progress."""
         self._checkpoint(label)
         return self._out(Reply(True, self.state))
 
-    def _checkpoint(self, label: str) -> None:
+    def _checkpoint(self, label: str, progress: bool = True) -> None:
+        """A restore point (the Session adds it; none is ever dropped); *progress* too."""
         entry = {"id": len(self.checkpoints) + 1, "label": label, "step": self._c.steps, "time": self.now()}
         self.checkpoints.append(entry)
-        self._progress()
+        if progress:
+            self._progress()
         self._emit("checkpoint", "", "allow", id=entry["id"], label=label or None)
         self._effects.add(Effect.CHECKPOINT)
         self._changed()
@@ -536,6 +547,7 @@ class Breaker:
             self._effects.add(Effect.FREEZE)
         trip = Trip(rule, self.state, self._c.steps, self.now(), reason)
         self.trips.append(trip)
+        self._changed_since_test = False  # a change before the trip vouches for no test after it
         self.last_feedback = self.feedback(trip)
         self._emit("trip", "", "deny", rule=rule.value, state=self.state.value, step=trip.step, reason=reason,
                    feedback=self.last_feedback)

@@ -131,9 +131,10 @@ class Stop(_Msg):
 
 
 class Rollback(_Msg):
-    """Restore the workspace to the last checkpoint."""
+    """Restore the workspace to a restore point: ``start``, ``last`` (the default) or a label."""
 
     type: Literal["rollback"]
+    to: Annotated[str, Field(min_length=1, max_length=200)] = "last"
 
 
 class Checkpoint(_Msg):

@@ -133,15 +133,17 @@ def run(opts: RunOptions) -> int:
     lane_stage = LaneStage(stage)
     lane_args = _fast_lanes(opts, bwrap, lane_stage, events)
     outcome = _Outcome()
-    (run_dir / "workspace").write_text(str(opts.workspace))  # for an offline guard rollback
+    with open(run_dir / "workspace", "w", opener=lambda p, f: os.open(p, f, 0o600)) as marker:
+        marker.write(str(opts.workspace))  # for an offline guard rollback
     session = Session(opts.manifest, opts.workspace, events, run_dir=run_dir, agent_path=stage / "agent.sock",
                       checkpoints=True, cache_timeout=opts.cache_timeout, xattrs=opts.xattrs)
     for notice in session.notices:
         _say(notice)
     breaker, accounting = session.breaker, session.accounting
     try:
+        # No umask(0): the agent keeps the user's umask; the mount gives each node it creates
+        # the mode the kernel passes (with the agent's umask applied).
         session.prepare()
-        os.umask(0)
         unmount = init_mount(session.fs, str(mnt), mount_options(f"guardfs:{opts.manifest.task.id}"))
         try:
             with keepalive(str(mnt)), registered(run_dir):
@@ -199,7 +201,7 @@ def _keep_exec_logs(stage: Path, run_dir: Path) -> None:
     staged, dest = stage / "exec", run_dir / "exec"
     if stage == run_dir or not staged.is_dir():
         return
-    dest.mkdir(mode=0o755, exist_ok=True)
+    dest.mkdir(mode=0o700, exist_ok=True)
     for entry in staged.iterdir():
         shutil.move(entry, dest / entry.name)
     staged.rmdir()
