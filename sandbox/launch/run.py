@@ -113,8 +113,8 @@ def _say(text: str) -> None:
 
 def run(opts: RunOptions) -> int:
     """Run the agent under guard; returns the exit status."""
+    bwrap = _sandbox_tool(opts)  # a usage error is said before anything about the machine
     check_fuse_available()
-    bwrap = _sandbox_tool(opts)
     run_dir = opts.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     # What the agent's side must reach (the mount, the agent socket, the lanes' masks) lives,
