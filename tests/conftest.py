@@ -3,6 +3,9 @@ mount and no process is left behind."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +19,20 @@ def guarded(tmp_path: Path) -> Iterator[Guarded]:
     """A guarded mount of an empty workspace with the checkout manifest."""
     with guarded_mount(tmp_path) as g:
         yield g
+
+
+@pytest.fixture(scope="session")
+def installation() -> Iterator[str]:
+    """guardfs and its dependencies copied where another user (``--user nobody``) can read
+    them, under /tmp: a PYTHONPATH. (The checkout and its venv may live under /root.)"""
+    from .test_run import _copy_installation
+
+    lib = Path(tempfile.mkdtemp(prefix="guardfs-lib-"))
+    try:
+        os.chmod(lib, 0o755)  # noqa: S103 - the other user must read it
+        yield _copy_installation(lib)
+    finally:
+        shutil.rmtree(lib)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,10 +9,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -34,7 +32,7 @@ from sandbox.launch.quarantine import LOG_MAX_BYTES, Recorder, _failing_lines, d
 
 from .helpers import FIX_TAX, wait_for
 from .mounts import _ServerThread
-from .test_run import UNPRIVILEGED_PYTHON, _copy_installation, workspace
+from .test_run import UNPRIVILEGED_PYTHON, workspace
 
 MiB = 1 << 20
 
@@ -180,17 +178,6 @@ EXEC = """
     print("flood status", r.returncode, flush=True)
     print("inside", sorted(os.listdir(os.environ["GUARD_RUN_DIR"])), flush=True)
 """
-
-
-@pytest.fixture(scope="module")
-def installation() -> Iterator[str]:
-    """guardfs and its dependencies copied where another user can read them: a PYTHONPATH."""
-    lib = Path(tempfile.mkdtemp(prefix="guardfs-lib-"))  # under /tmp, reachable by that user
-    try:
-        os.chmod(lib, 0o755)  # noqa: S103 - the other user must read it
-        yield _copy_installation(lib)
-    finally:
-        shutil.rmtree(lib)
 
 
 @pytest.mark.root

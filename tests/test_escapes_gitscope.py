@@ -35,14 +35,7 @@ pytestmark = [pytest.mark.root, pytest.mark.mount]
 SECRET = "API_TOKEN=s3cr3t-tracked\n"
 SESSION = "def session():\n    return 'original'\n"
 
-MANIFEST = """
-[task]
-id = "fix-tax"
-goal = "Fix the tax rounding helper in src/checkout/"
-[paths]
-allowed = ["src/checkout/"]
-forbidden = [".env*"]
-"""
+MANIFEST = FIX_TAX
 
 # The agent: a POSIX shell script, so that nobody can run it. Each move reports NAME=STATUS
 # on stderr (the run directory's stderr.log).

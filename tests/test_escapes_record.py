@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +27,7 @@ from sandbox.breaker.client import GuardClient, GuardClientError
 
 from .helpers import FIX_TAX, state_of
 from .mounts import guarded_mount
-from .test_run import UNPRIVILEGED_PYTHON, _copy_installation
+from .test_run import UNPRIVILEGED_PYTHON
 
 ORIGINAL_TAX = "def total(x):\n    return x\n"
 
@@ -87,17 +84,6 @@ open("src/checkout/shared.txt", "w").write("group\n")
 os.mkdir("src/checkout/shared")
 say(phase="done", state=state())
 """
-
-
-@pytest.fixture(scope="module")
-def installation() -> Iterator[str]:
-    """guardfs and its dependencies copied where nobody can read them: a PYTHONPATH."""
-    lib = Path(tempfile.mkdtemp(prefix="guardfs-lib-"))  # under /tmp, reachable by that user
-    try:
-        os.chmod(lib, 0o755)  # noqa: S103 - the other user must read it
-        yield _copy_installation(lib)
-    finally:
-        shutil.rmtree(lib)
 
 
 def _workspace(tmp_path: Path, user: str | None) -> tuple[Path, Path]:
