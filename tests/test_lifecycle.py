@@ -64,6 +64,16 @@ def host_mounts() -> str:
         return f.read()
 
 
+def reap_killed_guard(guard: subprocess.Popen[bytes], marker: str) -> None:
+    """After a test killed the guard with SIGKILL: make sure it and every process of its run
+    (found by *marker*) are gone, whatever the test saw, and that SIGKILL is what ended it."""
+    guard.kill()
+    guard.wait(timeout=30)
+    for p in processes_with(marker):
+        p.kill()
+    assert guard.returncode == -signal.SIGKILL
+
+
 def log_has(path: Path, text: str) -> bool:
     return path.exists() and text in path.read_text()
 
@@ -125,11 +135,7 @@ def test_sigkill_of_the_guard_ends_an_idle_agent_within_2s_and_leaves_no_mount(t
         guard.send_signal(signal.SIGKILL)
         wait_for(lambda: not processes_with(marker), "the agent's tree to die with the guard", timeout=2.0)
     finally:
-        guard.kill()
-        guard.wait(timeout=30)
-        for p in processes_with(marker):
-            p.kill()
-    assert guard.returncode == -signal.SIGKILL
+        reap_killed_guard(guard, marker)
     assert str(tmp_path) not in host_mounts()
 
 

@@ -28,7 +28,7 @@ import pytest
 from .helpers import wait_for
 from .model_server import Turn, scripted_model
 from .test_claude_code import claude_cli, setup
-from .test_lifecycle import host_mounts, processes_with
+from .test_lifecycle import host_mounts, reap_killed_guard
 
 # Each test runs guard run for real: root (as CI) and a FUSE mount.
 pytestmark = [pytest.mark.root, pytest.mark.mount]
@@ -170,9 +170,5 @@ def test_sigkill_of_the_guard_ends_a_real_claude_session_within_2s(tmp_path: Pat
             guard.send_signal(signal.SIGKILL)
             wait_for(lambda: not [p for p in tree if alive(p)], "the session to die with the guard", timeout=2.0)
         finally:
-            guard.kill()
-            guard.wait(timeout=30)
-            for p in processes_with(marker):
-                p.kill()
-    assert guard.returncode == -signal.SIGKILL
+            reap_killed_guard(guard, marker)
     wait_for(lambda: str(tmp_path) not in host_mounts(), "the mount to go", timeout=10)
