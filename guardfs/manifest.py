@@ -311,8 +311,8 @@ class SandboxSettings(_Strict):
     checkpoint_max_bytes: Annotated[int, Field(ge=0, le=1 << 50)] = Field(
         default=1 << 30,
         description=(
-            "The most the pre-images kept since the last checkpoint (RUN_DIR/checkpoint/) may "
-            "take, in bytes of file data (holes of sparse files cost nothing). A file whose copy "
+            "The most the pre-images of all the run's restore points together (RUN_DIR/checkpoint/) "
+            "may take, in bytes of file data (holes of sparse files cost nothing). A file whose copy "
             "would pass it is recorded as not restorable: an event says so when it happens, and "
             "guard rollback names it and leaves it as it is. Default 1 GiB; 0 keeps no file copies."
         ),
