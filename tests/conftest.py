@@ -37,15 +37,23 @@ def installation() -> Iterator[str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _nothing_left_behind() -> Iterator[None]:
-    """After the whole session: no guardfs mount and no stray child process."""
+    """After the whole session: no guardfs mount and no stray child process.
+
+    Mounts that were there before the session (another suite's, a user's own guard) are not
+    this session's to judge."""
+    before = _guardfs_mounts()
     yield
-    with open("/proc/self/mountinfo", encoding="utf-8") as f:
-        left = [line for line in f if " - fuse.guardfs " in line]
-    assert not left, f"guardfs mounts left behind: {left}"
+    left = _guardfs_mounts() - before
+    assert not left, f"guardfs mounts left behind: {sorted(left)}"
     import psutil
 
     children = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
     assert not children, f"processes left behind: {children}"
+
+
+def _guardfs_mounts() -> set[str]:
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        return {line for line in f if " - fuse.guardfs " in line}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
