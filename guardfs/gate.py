@@ -116,7 +116,7 @@ class Gate:
             request.path,
             "deny",
             target=request.target,
-            actor=request.actor or None,
+            intent=request.intent or None,
             rule=verdict.rule,
             pattern=verdict.pattern,
             errno=errno.errorcode.get(verdict.errno, str(verdict.errno)),
