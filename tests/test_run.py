@@ -19,8 +19,7 @@ import pexpect
 import psutil
 import pytest
 
-from .helpers import FIX_TAX, FORBIDDEN_TERMINAL
-from .helpers import snapshot, wait_for
+from .helpers import FIX_TAX, FORBIDDEN_TERMINAL, snapshot, wait_for
 
 MANIFEST = FIX_TAX + FORBIDDEN_TERMINAL  # these tests are about what a terminal trip does
 
