@@ -10,6 +10,12 @@ The session: ~10 tool calls of the real CLI against a scripted model on loopback
 scope, Bash running ``python3 -m pytest -q`` on a small test in scope, an out-of-scope Write the
 hook blocks (the breaker's words reach the next model request), a final text; the exit status
 passes through and every turn's tokens reach the breaker.
+
+Then a real repository (issue 14): history, CLAUDE.md, a test suite, and tracked files the
+manifest forbids (`.env`, `.github/workflows/`). In scope (over a minute, gaps of 12-20 s;
+65 s measured) Claude Code's start-up and `git status` stat the forbidden files: refused,
+no trip, exit 0. Out of scope (10 s): a Read of `.env` is blocked with the breaker's words in
+the next request, and the shell's `cat .env` then stops the run (75).
 """
 
 from __future__ import annotations
