@@ -53,7 +53,8 @@ RULES: Mapping[Rule, RuleSpec] = MappingProxyType({
         # The read was refused, so nothing leaked: a first attempt is the common innocent
         # case (an agent that tries `cat .env` once and is told why); a second is not.
         "OPEN_FORBIDDEN_PATH", None, True,
-        "Do not read or write that path; the task does not need it.", once=True),
+        "Do not read or write that path; the task does not need it. A second attempt, "
+        "even later in the run, stops it (looking a name up is no attempt).", once=True),
     Rule.SCOPE_SPILL: RuleSpec(
         "OPEN_SCOPE_SPILL", None, True,
         "Make the change inside the allowed paths, or stop and say why the task needs more."),

@@ -380,6 +380,7 @@ def test_a_forbidden_read_recovers_once_per_run() -> None:
     first = fs(b, "lookup", ".env", mutating=False, intent="openat(read)")
     assert not first.allow and first.errno == 13 and "Rule: forbidden_path" in first.reason
     assert "HALF_OPEN" in first.reason and state_of(b) is State.HALF_OPEN_REANCHOR
+    assert "A second attempt, even later in the run, stops it" in first.reason
     assert write(b, "src/checkout/tax.py").allow
     assert state_of(b) is State.CLOSED
     second = fs(b, "lookup", ".env", mutating=False, intent="openat(read)")
