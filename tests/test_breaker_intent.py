@@ -10,8 +10,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -188,3 +190,35 @@ def test_cat_env_twice_is_terminal(tmp_path: Path) -> None:
     assert "s3cr3t" not in log and "first refused" in log and "ran on" not in log, log
     trips = [(e["rule"], e["state"]) for e in _events(run_dir) if e["op"] == "trip"]
     assert trips == [("forbidden_path", "HALF_OPEN_REANCHOR"), ("forbidden_path", "OPEN_FORBIDDEN_PATH")], trips
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_an_unprivileged_guard_reads_the_intent_too(tmp_path: Path) -> None:
+    """guard run as uid 65534 (its agent in a user namespace it owns): the guard may still read
+    its agent's system calls, so a stat is no trip and a read is one."""
+    from .test_run import UNPRIVILEGED, UNPRIVILEGED_PYTHON, _copy_installation, _fuse_open_to_others
+
+    base = Path(tempfile.mkdtemp(prefix="guardfs-intent-"))  # under /tmp: reachable by the user
+    try:
+        os.chmod(base, 0o755)  # noqa: S103 - the other user must reach it
+        pythonpath = _copy_installation(base / "lib")
+        ws, manifest = _workspace(base)
+        subprocess.run(["chown", "-R", f"{UNPRIVILEGED}:{UNPRIVILEGED}", str(base)], check=True)
+        user = ["setpriv", "--reuid", UNPRIVILEGED, "--regid", UNPRIVILEGED, "--clear-groups", UNPRIVILEGED_PYTHON]
+        env = {**os.environ, "PYTHONPATH": pythonpath, "HOME": str(base)}
+        with _fuse_open_to_others():
+            result = subprocess.run(
+                [*user, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest), "--run-dir", str(base / "run"),
+                 "--", "sh", "-c", "stat .env || echo stat-refused; cat .env || echo cat-refused"],
+                cwd=ws, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, env=env,
+            )
+        assert result.returncode == 0, result.stderr[-2000:]
+        log = (base / "run/stdout.log").read_text()
+        assert "stat-refused" in log and "cat-refused" in log, log
+        events = _events(base / "run")
+        intents = [e.get("intent") for e in events if e["decision"] == "deny" and e["path"] == ".env"]
+        assert intents and intents[0] in METADATA_CALLS and str(intents[-1]).startswith("open"), intents
+        assert [e["state"] for e in events if e["op"] == "trip"] == ["HALF_OPEN_REANCHOR"]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
