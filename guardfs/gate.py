@@ -117,6 +117,7 @@ class Gate:
             "deny",
             target=request.target,
             intent=request.intent or None,
+            contact=None if request.contact else False,  # no violation: dropped past a cap, counted
             rule=verdict.rule,
             pattern=verdict.pattern,
             errno=errno.errorcode.get(verdict.errno, str(verdict.errno)),

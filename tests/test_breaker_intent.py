@@ -102,6 +102,29 @@ METADATA_CALLS = frozenset({"stat", "lstat", "newfstatat", "statx", "access", "f
                             "listxattr", "llistxattr", "openat(O_PATH)"})
 
 
+@pytest.mark.mount
+def test_a_stat_storm_is_capped_and_a_read_after_it_still_recorded(tmp_path: Path) -> None:
+    """A refused stat is no violation, so an agent may repeat it at will: its events are
+    dropped past the caps (and counted); a read's denial and its trip are never dropped."""
+    cap = 16384
+    manifest = CHECKOUT_MANIFEST + f"[record]\nevents_max_bytes = {cap}\n"
+    with guarded_mount(tmp_path, manifest, run_dir=tmp_path / "run") as g:
+        (g.backing / ".env").write_text("SECRET=1\n")
+        for _ in range(3000):
+            with pytest.raises(PermissionError):
+                os.stat(g.mnt / ".env")
+        with pytest.raises(PermissionError):
+            (g.mnt / ".env").read_text()
+    assert g.events_path.stat().st_size < cap + 4096
+    events = [json.loads(line) for line in g.events_path.read_text().splitlines()]
+    stats = [e for e in events if e["op"] == "lookup" and e.get("contact") is False]
+    dropped = sum(e["kinds"].get("lookup", 0) for e in events if e["op"] == "dropped")
+    assert stats and len(stats) + dropped == 3000, (len(stats), dropped)
+    read = [e for e in events if e["op"] == "lookup" and str(e.get("intent")).startswith("open")]
+    assert len(read) == 1 and "contact" not in read[0], read
+    assert [e["rule"] for e in events if e["op"] == "trip"] == ["forbidden_path"]
+
+
 # ----- guard run ------------------------------------------------------------------------
 
 def _workspace(tmp_path: Path) -> tuple[Path, Path]:
