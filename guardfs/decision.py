@@ -50,7 +50,10 @@ class Request:
     target_where: Classification | None = None
     new_files: tuple[str, ...] = ()  # paths this would add to the blast radius
     rewrite: RewritePlan | None = None
-    actor: str = ""  # command name of the calling process, filled in for forbidden lookups
+    # Whether the operation reads or changes what the path holds, rather than only asking
+    # about its name (a stat); *intent* names the system call when a lookup was refused.
+    contact: bool = True
+    intent: str = ""
 
 
 @dataclass(frozen=True, slots=True)

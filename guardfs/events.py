@@ -6,7 +6,9 @@ killed mid-run loses nothing already decided. Allowed reads are only counted.
 The agent decides how many events it causes, so the log is capped in size and in rate
 (``[record]`` in the manifest). Past a cap, events are dropped and counted, and one
 ``dropped`` line says how many of which kinds, written before the next event that is
-written and at close. Denials, trips and breaker changes are never dropped.
+written and at close. Denials, trips and breaker changes are never dropped, except a
+refused lookup that is no violation (``"contact": false``: a stat of a forbidden name, which
+an agent may repeat at will).
 
 Names are bytes on Linux and need not be UTF-8; guardfs carries them as ``str`` with
 ``surrogateescape``. Every string written here is escaped losslessly (see
@@ -130,8 +132,8 @@ _NOISE_OPS = frozenset({"protocol"})
 DROPPED_EVERY_S = 1.0
 
 
-def _kept(op: str, decision: str) -> bool:
-    return op in _KEPT_OPS or (decision == "deny" and op not in _NOISE_OPS)
+def _kept(op: str, decision: str, contact: object) -> bool:
+    return op in _KEPT_OPS or (decision == "deny" and op not in _NOISE_OPS and contact is not False)
 
 
 class Emit(Protocol):
@@ -186,7 +188,7 @@ class EventLog:
         self.counts["deny" if decision == "deny" else op] += 1
         if self._file is None:
             return event
-        if not _kept(op, decision) and (cap := self._over_cap(now)) is not None:
+        if not _kept(op, decision, fields.get("contact")) and (cap := self._over_cap(now)) is not None:
             if not self._pending:
                 self._pending_since = now
             self._pending[op] += 1

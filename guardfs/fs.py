@@ -36,6 +36,7 @@ from guardfs.decision import Decider, LimitsDecider, Request
 from guardfs.events import EventLog
 from guardfs.gate import Gate
 from guardfs.inodes import Entry, InodeTable
+from guardfs.intent import lookup_intent
 from guardfs.links import forbidden_links
 from guardfs.manifest import Manifest
 from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope, is_git_state
@@ -85,15 +86,6 @@ def _fuse_errors(fn: _Handler[P, R]) -> _Handler[P, R]:
             raise FUSEError(err.errno or errno.EIO) from err
 
     return wrapper
-
-
-def _command_name(pid: int) -> str:
-    """The command name of *pid* (for denial events), or '' if it is gone."""
-    try:
-        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def _apply_mode(created: int, wanted: int, chmod: Callable[[int], None]) -> None:
@@ -370,7 +362,9 @@ class GuardFS(pyfuse3.Operations):
             raise FUSEError(errno.EXDEV)  # another filesystem mounted inside the workspace
         where = self.inodes.classify(st.st_ino, stat.S_ISDIR(st.st_mode), path)
         if where.scope is Scope.FORBIDDEN:
-            self.gate.check(Request("lookup", path, where, False, actor=_command_name(ctx.pid)))
+            # Refused whatever the caller meant; a stat or access check is no violation.
+            intent = lookup_intent(ctx.pid)
+            self.gate.check(Request("lookup", path, where, False, contact=intent.contact, intent=intent.call))
         entry = self.inodes.remember(st.st_ino, st.st_mode, path, where)
         return self._attr(st, entry.ino)
 
@@ -850,8 +844,8 @@ class GuardFS(pyfuse3.Operations):
         if mutating:
             where = self._where(entry.path, self._stat(entry), entry.is_dir)
             request = self.gate.ask(op, entry.path, where)
-        elif entry.where.scope is Scope.FORBIDDEN:
-            self.gate.check(Request(op, entry.path, entry.where, False))
+        elif entry.where.scope is Scope.FORBIDDEN:  # an attribute's value is content; its name is not
+            self.gate.check(Request(op, entry.path, entry.where, False, contact=op != "listxattr"))
         return entry, request
 
     def _xattr_call(self, path: str, call: Callable[[str], R]) -> R:

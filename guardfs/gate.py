@@ -116,7 +116,8 @@ class Gate:
             request.path,
             "deny",
             target=request.target,
-            actor=request.actor or None,
+            intent=request.intent or None,
+            contact=None if request.contact else False,  # no violation: dropped past a cap, counted
             rule=verdict.rule,
             pattern=verdict.pattern,
             errno=errno.errorcode.get(verdict.errno, str(verdict.errno)),

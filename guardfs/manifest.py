@@ -196,8 +196,9 @@ class BreakerSettings(_Strict):
         description=(
             "Rules whose first trip is recoverable: the offending operation is refused and "
             "the agent gets corrective feedback (HALF_OPEN_REANCHOR); a second violation is "
-            "terminal. Any other rule's trip is terminal at once. Default: all but "
-            "forbidden_path, idle_transport and step_budget."
+            "terminal. Any other rule's trip is terminal at once. forbidden_path recovers "
+            "once per run: its second trip is terminal even after the breaker closed. "
+            "Default: all but idle_transport and step_budget."
         ),
     )
     rollback_on_consecutive_failures: bool = Field(

@@ -43,12 +43,18 @@ class RuleSpec:
     recoverable: bool
     #: The corrective words the agent gets after "The way back:".
     way_back: str
+    #: Whether the rule's recovery is spent by its first trip: any later trip of it in the
+    #: run is terminal, even after the breaker closed again.
+    once: bool = False
 
 
 RULES: Mapping[Rule, RuleSpec] = MappingProxyType({
     Rule.FORBIDDEN_PATH: RuleSpec(
-        "OPEN_FORBIDDEN_PATH", None, False,
-        "Do not read or write that path; the task does not need it."),
+        # The read was refused, so nothing leaked: a first attempt is the common innocent
+        # case (an agent that tries `cat .env` once and is told why); a second is not.
+        "OPEN_FORBIDDEN_PATH", None, True,
+        "Do not read or write that path; the task does not need it. A second attempt, "
+        "even later in the run, stops it (looking a name up is no attempt).", once=True),
     Rule.SCOPE_SPILL: RuleSpec(
         "OPEN_SCOPE_SPILL", None, True,
         "Make the change inside the allowed paths, or stop and say why the task needs more."),

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from guardfs.rules import default_recoverable
 from sandbox.breaker import Breaker, State
 
-__all__ = ["FIX_TAX", "git_env", "require", "snapshot", "state_of", "wait_for"]
+__all__ = ["FIX_TAX", "FORBIDDEN_TERMINAL", "git_env", "require", "snapshot", "state_of", "wait_for"]
 
 #: The scope most end-to-end tests use: writes in src/checkout/ only, .env* forbidden.
 FIX_TAX = """
@@ -24,6 +25,12 @@ goal = "Fix the tax rounding helper in src/checkout/"
 allowed = ["src/checkout/"]
 forbidden = [".env*"]
 """
+
+#: ``[breaker]`` making a first forbidden read terminal (the default before issue 14), for
+#: tests about what a terminal trip does: every other rule keeps its default.
+FORBIDDEN_TERMINAL = "[breaker]\nrecoverable = [{}]\n".format(
+    ", ".join(f'"{rule}"' for rule in default_recoverable() if rule != "forbidden_path"))
+
 
 
 def state_of(breaker: Breaker) -> State:

@@ -24,7 +24,7 @@ from guardfs.events import EventLog, escape_name, printable, unescape
 from guardfs.manifest import Record
 from sandbox.breaker.client import GuardClient
 
-from .helpers import FIX_TAX, wait_for
+from .helpers import FIX_TAX, FORBIDDEN_TERMINAL, wait_for
 from .mounts import CHECKOUT_MANIFEST, Guarded, guarded_mount
 
 INVALID = 2000  # malformed lines sent on the agent socket: a flood of droppable events
@@ -97,7 +97,7 @@ def flood_between_violations(g: Guarded, denied: list[str]) -> None:
 
 @pytest.mark.mount
 def test_event_rate_cap_drops_the_flood_and_keeps_every_denial(tmp_path: Path) -> None:
-    manifest = CHECKOUT_MANIFEST + "[record]\nevents_per_second = 1\nevents_burst = 50\n"
+    manifest = CHECKOUT_MANIFEST + FORBIDDEN_TERMINAL + "[record]\nevents_per_second = 1\nevents_burst = 50\n"
     denied: list[str] = []
     with guarded_mount(tmp_path, manifest, run_dir=tmp_path / "run") as g:
         flood_between_violations(g, denied)
@@ -111,7 +111,7 @@ def test_event_rate_cap_drops_the_flood_and_keeps_every_denial(tmp_path: Path) -
 @pytest.mark.mount
 def test_event_size_cap_stops_the_file_growing_but_not_denials(tmp_path: Path) -> None:
     cap = 8192
-    manifest = CHECKOUT_MANIFEST + f"[record]\nevents_max_bytes = {cap}\n"
+    manifest = CHECKOUT_MANIFEST + FORBIDDEN_TERMINAL + f"[record]\nevents_max_bytes = {cap}\n"
     denied: list[str] = []
     with guarded_mount(tmp_path, manifest, run_dir=tmp_path / "run") as g:
         flood_between_violations(g, denied)

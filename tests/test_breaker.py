@@ -127,10 +127,10 @@ def _idle(b: Breaker, clock: Clock, wait: float) -> Outcome:
 
 
 CASES = [
-    Case("forbidden_path", State.OPEN_FORBIDDEN_PATH,
+    Case("forbidden_path", State.HALF_OPEN_REANCHOR,
          lambda b, c: fs(b, "open", ".env", mutating=False),
-         # git stats tracked files: refused, but no trip
-         lambda b, c: fs(b, "lookup", ".env", mutating=False, actor="git")),
+         # a stat (git status, an indexer) is refused, but is no trip, whoever asks
+         lambda b, c: fs(b, "lookup", ".env", mutating=False, contact=False, intent="newfstatat")),
     Case("scope_spill", State.HALF_OPEN_REANCHOR,
          lambda b, c: fs(b, "open", "src/auth/session.ts"),
          lambda b, c: fs(b, "open", "src/auth/session.ts", mutating=False)),
@@ -246,6 +246,8 @@ def test_check_judges_paths_before_a_tool_runs() -> None:
     assert not denied.allow and denied.trip is not None and "scope_spill" in denied.feedback
     b.approve()
     assert not b.check("Read", [".env"], mutating=False).allow
+    assert state_of(b) is State.HALF_OPEN_REANCHOR  # a first forbidden read recovers
+    assert not b.check("Read", [".env"], mutating=False).allow
     assert state_of(b) is State.OPEN_FORBIDDEN_PATH
     b.approve()
     assert not b.check("Write", [], outside=["/etc/passwd"]).allow
@@ -358,3 +360,35 @@ def test_agent_text_cannot_forge_the_state_file() -> None:
     assert [ln for ln in lines if ln.startswith("```")] == ["````", "````"]  # longer than any run inside
     names = json_safe(b.snapshot())["files"]["list"]  # the ledger.json form: lossless
     assert {unescape(p) for p in names} == {b"src/checkout/\xff", b"src/checkout/a\n| forged | 9 |"}
+
+
+def test_a_forbidden_lookup_is_refused_but_never_trips() -> None:
+    """Trip on intent, refuse on contact: a stat is refused even in HALF_OPEN, without a trip."""
+    b, _ = make()
+    stat = fs(b, "lookup", ".env", mutating=False, contact=False, intent="statx")
+    assert not stat.allow and stat.errno == 13 and not b.trips  # EACCES
+    fs(b, "open", "src/auth/session.ts")
+    assert state_of(b) is State.HALF_OPEN_REANCHOR
+    assert not fs(b, "lookup", ".env", mutating=False, contact=False, intent="access").allow
+    assert state_of(b) is State.HALF_OPEN_REANCHOR and len(b.trips) == 1  # no escalation
+
+
+def test_a_forbidden_read_recovers_once_per_run() -> None:
+    """The first read of a forbidden path is refused and recoverable; the second, even after
+    the agent went back in scope and the breaker closed, stops the run."""
+    b, _ = make()
+    first = fs(b, "lookup", ".env", mutating=False, intent="openat(read)")
+    assert not first.allow and first.errno == 13 and "Rule: forbidden_path" in first.reason
+    assert "HALF_OPEN" in first.reason and state_of(b) is State.HALF_OPEN_REANCHOR
+    assert "A second attempt, even later in the run, stops it" in first.reason
+    assert write(b, "src/checkout/tax.py").allow
+    assert state_of(b) is State.CLOSED
+    second = fs(b, "lookup", ".env", mutating=False, intent="openat(read)")
+    assert not second.allow and state_of(b) is State.OPEN_FORBIDDEN_PATH
+    assert [t.rule.value for t in b.trips] == ["forbidden_path"] * 2
+
+
+def test_the_manifest_can_make_a_forbidden_read_terminal_at_once() -> None:
+    b, _ = make('\n[breaker]\nrecoverable = ["scope_spill"]\n')
+    assert not fs(b, "open", ".env", mutating=False).allow
+    assert state_of(b) is State.OPEN_FORBIDDEN_PATH

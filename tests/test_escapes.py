@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from .helpers import FIX_TAX, snapshot
+from .helpers import FIX_TAX, FORBIDDEN_TERMINAL, snapshot
 
 # Each test reads one real guard run: root (as CI, and for --user) and a FUSE mount.
 pytestmark = [pytest.mark.root, pytest.mark.mount]
@@ -177,7 +177,7 @@ def _hostile_run(base: Path, user: str | None) -> Run:
         subprocess.run(["chown", "-R", "65534:65534", str(ws)], check=True)
         flags = ["--user", user]
     manifest = base / "manifest.toml"
-    manifest.write_text(FIX_TAX)
+    manifest.write_text(FIX_TAX + FORBIDDEN_TERMINAL)  # the run ends on the forbidden read
     run_dir = base / "run"
     before, host_before = snapshot(ws), _host_files()
     # The agent learns the guard's pid from its argv: the guard is this wrapper process.

@@ -19,8 +19,9 @@ import pexpect
 import psutil
 import pytest
 
-from .helpers import FIX_TAX as MANIFEST
-from .helpers import snapshot, wait_for
+from .helpers import FIX_TAX, FORBIDDEN_TERMINAL, snapshot, wait_for
+
+MANIFEST = FIX_TAX + FORBIDDEN_TERMINAL  # these tests are about what a terminal trip does
 
 
 def workspace(tmp_path: Path) -> tuple[Path, Path]:

@@ -51,8 +51,6 @@ _TEST_COMMAND = re.compile(r"\b(pytest|py\.test|unittest|tox|nox|jest|vitest|moc
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str)
 # The ledger shows the last feedback whole up to this length (it quotes the goal and the scope).
 _MAX_FEEDBACK_CHARS = 16_000
-# git stats every tracked file: a forbidden one it meets is refused, but is no trip.
-_BENIGN_LOOKUP_ACTORS = frozenset({"git"})
 
 
 class State(enum.StrEnum):
@@ -261,9 +259,9 @@ class Breaker:
 
     def _rule_for_denial(self, request: Request, policy: Verdict) -> Rule | None:
         if policy.errno == ERRNO_FORBIDDEN:
-            if request.op == "lookup" and request.actor in _BENIGN_LOOKUP_ACTORS:
-                return None
-            return Rule.FORBIDDEN_PATH
+            # Trip on intent, refuse on contact: a stat or access check of a forbidden name
+            # (git status, an indexer, a dotenv probe) is refused but is no violation.
+            return Rule.FORBIDDEN_PATH if request.contact else None
         return Rule.SCOPE_SPILL if request.mutating else None
 
     # ----- what the agent reports -----------------------------------------------------
@@ -538,7 +536,8 @@ class Breaker:
         err = refused.errno if refused is not None else ERRNO_LIMIT
         if self.state.terminal:
             return Verdict(False, f"breaker {self.state.value}", None, err, self.last_feedback or reason)
-        if self.state is State.CLOSED and rule in self._recoverable:
+        if self.state is State.CLOSED and rule in self._recoverable and not (
+                RULES[rule].once and any(t.rule is rule for t in self.trips)):
             self.state = State.HALF_OPEN_REANCHOR
             self._refuse_next = refused is None  # nothing refused yet: refuse the next act
         else:
