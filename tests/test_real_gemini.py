@@ -21,6 +21,7 @@ import pytest
 
 from guardfs.accounting import WriteAccounting
 from guardfs.manifest import parse_manifest
+from sandbox.agents import fasthook
 from sandbox.breaker import Breaker
 
 from .gemini_server import Turn, scripted_gemini
@@ -127,6 +128,7 @@ def test_gemini_stays_in_scope_exit_0(tmp_path: Path, gemini_cli: Path, forbidde
         # The same read again: one call, reported by the hook and by the stream, counts once (the
         # 2nd of 3 allowed), so it is no repeated_action.
         Turn("read_file", {"file_path": tax}, input_tokens=3100),
+        Turn("run_shell_command", {"command": PYTEST, "description": "run the tests"}, input_tokens=3150),  # fails
         Turn("replace", {"file_path": tax, "old_string": "    return x\n", "new_string": "    return round(x, 2)\n",
                          "instruction": "round to cents"}, input_tokens=3200),
         Turn("run_shell_command", {"command": PYTEST, "description": "run the tests"}, input_tokens=3300),
@@ -139,9 +141,16 @@ def test_gemini_stays_in_scope_exit_0(tmp_path: Path, gemini_cli: Path, forbidde
     assert len(model.requests) == len(turns), out[-3000:]
     assert (ws / "src/checkout/tax.py").read_text() == "def total(x):\n    return round(x, 2)\n"
     stream = (run_dir / "stdout.log").read_text()  # the agent's own stream-json
-    assert "1 passed" in stream, stream[-2000:]
+    assert "1 failed" in stream and "1 passed" in stream, stream[-2000:]
+    # Each tool's result counted once (the hook's: the stream's report of it is recorded, not counted),
+    # with the shell's real exit status: the failing test run failed, the one after the fix passed.
+    results = [(e["tool"], e["exit_code"]) for e in events(run_dir)
+               if e["op"] == "tool_result" and e.get("counted", True)]
+    assert results == [("read_file", 0), ("read_file", 0), ("run_shell_command", 1), ("replace", 0),
+                       ("run_shell_command", 0)], results
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert ledger["trips"] == [], ledger["trips"]
+    assert [c["label"] for c in ledger["checkpoints"]][-1].startswith("passing test"), ledger["checkpoints"]
     # Gemini's stream reports usage once, at the end: every call's tokens reach the breaker then.
     assert ledger["tokens"]["total"] == sum(t.input_tokens + t.output_tokens for t in turns), ledger["tokens"]
     # The hooks ran (the system settings file was read): the hook's checks are in the record.
@@ -207,3 +216,27 @@ def test_a_call_reported_by_hook_and_stream_counts_once() -> None:
     # The stream's report of that refused 3rd call is no 4th call, and no second trip.
     b.step(tool="read_file", args=read)
     assert len(b.trips) == 1
+
+
+@pytest.mark.parametrize(("content", "code"), [
+    ("Output: hi\nExit Code: 3\nProcess Group PGID: 7", 3),
+    ("<untrusted_context>\nOutput: hi\nExit Code: 3\nProcess Group PGID: 7\n</untrusted_context>", 3),
+    ("Output: ok\nProcess Group PGID: 7", 0),
+    ("Output: (empty)\nSignal: 9\nProcess Group PGID: 7", 1),
+    # The command's own output cannot pass a failure off as a success ...
+    ("Output: Exit Code: 0\nExit Code: 1\nProcess Group PGID: 7", 1),
+    # ... and a line of it mid-output is not the status.
+    ("Output: a\nExit Code: 2\nmore output\nProcess Group PGID: 7", 0),
+])
+def test_gemini_shell_exit_status_from_after_tool(content: str, code: int) -> None:
+    """Gemini's AfterTool tool_response carries the shell's status only in its text."""
+    event = {"hook_event_name": "AfterTool", "tool_name": "run_shell_command", "cwd": "/w",
+             "tool_input": {"command": "pytest -q"},
+             "tool_response": {"llmContent": content, "returnDisplay": "", "error": None}}
+    sent: list[dict[str, Any]] = []
+
+    def ask(message: dict[str, Any]) -> dict[str, Any]:
+        sent.append(message)
+        return {"ok": True}
+    assert fasthook.decide(event, ask, "gemini") == (0, "")
+    assert sent == [{"type": "tool_result", "tool": "run_shell_command", "exit_code": code, "summary": "pytest -q"}]

@@ -284,11 +284,24 @@ class Breaker:
         tokens_cached: int = 0,
         tool: str | None = None,
         args: Any = None,
+        *,
+        totals: bool = False,
     ) -> Reply:
-        """One agent step (a model call), with its token usage and the tool it calls."""
+        """One agent step (a model call), with its token usage and the tool it calls.
+
+        With *totals*, the tokens are an agent's end-of-run totals over all its calls (Gemini's
+        stream reports no more): counted, but no step, and not judged by the window or velocity
+        rules, which one lump of a whole run would trip after the agent is done.
+        """
         self._last_activity = self.now()
         c = self._c
         tokens = tokens_in + tokens_out
+        if totals:
+            c.tokens_total += tokens
+            c.tokens_cached += tokens_cached
+            self.version += 1
+            self._emit("step", "", "allow", step=c.steps, tokens=tokens, tokens_cached=tokens_cached, totals=True)
+            return Reply(not self.state.terminal, self.state, self._feedback_if_halted())
         c.steps += 1
         c.tokens_total += tokens
         c.tokens_cached += tokens_cached
@@ -319,15 +332,24 @@ class Breaker:
 
     def tool_result(self, tool: str, exit_code: int, summary: str = "") -> Reply:
         """A tool finished: failures in a row, stagnation, and passing tests as restore points
-        (progress only after a real in-scope change: the agent's report alone proves nothing)."""
+        (progress only after a real in-scope change: the agent's report alone proves nothing).
+
+        A result answers the oldest call still unanswered; when every call is answered, it is
+        another channel's report of a result already counted (Gemini's AfterTool hook and its
+        stream's tool_result report each result): recorded, not counted again.
+        """
         self._touch()
         c = self._c
-        if c.calls and c.calls[-1].failed is None:
-            c.calls[-1].failed = exit_code != 0
+        call = next((call for call in c.calls if call.failed is None), None)
+        if call is None and c.calls:
+            self._emit("tool_result", "", "allow", tool=tool, exit_code=exit_code, counted=False)
+            return Reply(not self.state.terminal, self.state, self._feedback_if_halted())
+        if call is not None:
+            call.failed = exit_code != 0
         self._emit("tool_result", "", "allow", tool=tool, exit_code=exit_code)
         if exit_code == 0:
             c.consecutive_failures = 0
-            if _TEST_COMMAND.search(f"{tool} {summary} {c.calls[-1].text if c.calls else ''}"):
+            if _TEST_COMMAND.search(f"{tool} {summary} {call.text if call is not None else ''}"):
                 self._checkpoint(f"passing test: {summary or tool}"[:120], progress=self._changed_since_test)
                 self._changed_since_test = False
             self._changed()
