@@ -240,3 +240,35 @@ def test_gemini_shell_exit_status_from_after_tool(content: str, code: int) -> No
         return {"ok": True}
     assert fasthook.decide(event, ask, "gemini") == (0, "")
     assert sent == [{"type": "tool_result", "tool": "run_shell_command", "exit_code": code, "summary": "pytest -q"}]
+
+
+def test_a_result_reported_by_hook_and_stream_counts_once() -> None:
+    """AfterTool and the stream's tool_result report the same result: two failed calls are two
+    failures in a row, not four (max_consecutive_failures = 3 is not reached)."""
+    b = Breaker(parse_manifest(FIX_TAX + "[limits]\nmax_consecutive_failures = 3\n"), WriteAccounting(),
+                now=lambda: 1000.0)
+    for i in range(2):
+        args = {"command": f"make step{i}"}
+        b.check("run_shell_command", [], args, mutating=True)
+        b.step(tool="run_shell_command", args=args)
+        assert b.tool_result("run_shell_command", 2).allow  # the hook's report
+        assert b.tool_result("run_shell_command", 0).allow  # the stream's: already answered
+    assert b.snapshot()["consecutive_failures"] == 2 and not b.trips
+    b.step(tool="run_shell_command", args={"command": "make step2"})
+    third = b.tool_result("run_shell_command", 1)
+    assert not third.allow and [t.rule.value for t in b.trips] == ["consecutive_failures"]
+
+
+def test_end_of_run_totals_are_counted_not_judged() -> None:
+    """Gemini's stream reports a run's tokens once, at its end: far above the window and velocity
+    limits as one lump, they are counted in the ledger and trip nothing."""
+    b = Breaker(parse_manifest(FIX_TAX + "[limits]\nmax_window_tokens = 1000\nmax_tokens_without_progress = 1500\n"),
+                WriteAccounting(), now=lambda: 1000.0)
+    b.step(tool="read_file", args={"file_path": "a"})
+    reply = b.step(200_000, 3000, 50_000, totals=True)
+    assert reply.allow and not b.trips
+    snap = b.snapshot()
+    assert snap["tokens"]["total"] == 203_000 and snap["tokens"]["cached"] == 50_000, snap["tokens"]
+    assert snap["steps"] == 1  # no step of its own
+    # The same tokens as one call's would trip.
+    assert not b.step(200_000, 3000).allow and b.trips[0].rule.value == "token_surge"
