@@ -68,7 +68,8 @@ FAKE_AGENT = """\
     #!/usr/bin/env python3
     import json, os, sys
     settings = os.environ.get("GEMINI_CLI_SYSTEM_SETTINGS_PATH")
-    print(json.dumps({"argv": sys.argv[1:], "settings": open(settings).read() if settings else None}))
+    print(json.dumps({"argv": sys.argv[1:], "settings": open(settings).read() if settings else None,
+                      "mode": os.stat(settings).st_mode & 0o777 if settings else None}))
 """
 
 
@@ -101,8 +102,9 @@ def test_guard_run_sets_up_each_agent_without_touching_its_config(tmp_path: Path
         assert argv[:4] == ["-c", argv[1], "-c", argv[3]] and argv[4:] == ["-p", "task"]
         assert argv[1].startswith("hooks.PreToolUse=") and hook_command("codex") in argv[1]
     elif agent == "gemini":
-        assert argv == ["-p", "task"]
+        assert argv == ["--skip-trust", "-p", "task"]  # headless: trusted for this run, not in the user's files
         assert settings is not None
+        assert seen["mode"] & 0o022 == 0, oct(seen["mode"])  # else Gemini skips it
         assert json.loads(settings)["hooks"]["BeforeTool"][0]["hooks"][0]["command"] == hook_command("gemini")
     else:
         assert argv == ["-p", "task"] and settings is None

@@ -82,6 +82,8 @@ class Step:
     tokens_out: int
     tokens_cached: int = 0
     tools: tuple[Tool, ...] = field(default_factory=tuple)
+    #: The agent's end-of-run totals over all its calls (not one call): counted, not judged.
+    totals: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ def to_messages(event: Event) -> list[dict[str, Any]]:
             "type": "step", "tokens_in": event.tokens_in, "tokens_out": event.tokens_out,
             "tokens_cached": event.tokens_cached,
             "tool": first.name if first else None, "args": first.args if first else None,
+            **({"totals": True} if event.totals else {}),
         }]
         # Further tool calls of the same model call: steps without tokens, so that
         # repetition is still seen.

@@ -68,6 +68,13 @@ _POST = frozenset(agent.hook.after for agent in AGENTS.values())
 BLOCK = 2
 _PATH_KEYS = ("file_path", "notebook_path", "path", "absolute_path")
 _PATCH_FILE = re.compile(r"^\*\*\* (?:Add|Update|Delete) File: (.+)$", re.MULTILINE)
+#: Gemini's run_shell_command result (AfterTool's tool_response.llmContent): the command's output,
+#: then "Exit Code: N" (only when not 0) and a few lines of its own at the very end. Anchored at the
+#: end, so that the command's output cannot hide a real non-zero code. Gemini may wrap it all in
+#: <untrusted_context> tags.
+_GEMINI_WRAP = re.compile(r"\A<untrusted_context>\n(.*)\n</untrusted_context>\Z", re.DOTALL)
+_GEMINI_EXIT = re.compile(r"\nExit Code: (-?\d{1,5})((?:\n(?:Signal|Background PIDs|Process Group PGID): [^\n]*)*)\Z")
+_GEMINI_SIGNAL = re.compile(r"\nSignal: [^\n]*(?:\n(?:Background PIDs|Process Group PGID): [^\n]*)*\Z")
 
 
 class GuardClientError(Exception):
@@ -240,6 +247,14 @@ def _exit_code(response: Any) -> int:
                 return max(-255, min(255, value))  # the range tool_result accepts
         if response.get("interrupted") or response.get("is_error") or response.get("error"):
             return 1
+        content = response.get("llmContent")
+        if isinstance(content, str) and (wrapped := _GEMINI_WRAP.match(content)):
+            content = wrapped.group(1)
+        if isinstance(content, str) and content.startswith("Output: "):  # Gemini's shell: no code field
+            if found := _GEMINI_EXIT.search(content):
+                return max(-255, min(255, int(found.group(1))))
+            if _GEMINI_SIGNAL.search(content):
+                return 1
     return 0
 
 

@@ -5,8 +5,11 @@ Schema as documented for Gemini CLI's headless mode (0.11 and later): ``init``
 {``tool_name``, ``tool_id``, ``parameters``}, ``tool_result`` {``tool_id``, ``status``
 success|error, ``output``}, ``error``, ``result`` {``status``, ``stats`` {``input_tokens``,
 ``output_tokens``, ``total_tokens``, ``cached``?, ``tool_calls``, ``duration_ms``}}. The
-stream carries no usage per model call: each tool call is a step without tokens (so that
-repetition is seen), and the result's totals are one step at the end.
+stream carries no usage per model call (checked against Gemini CLI 0.61.0): each tool call is a
+step without tokens (so that repetition is seen), and the result's totals reach the breaker at
+the end as totals (``Step.totals``): counted, not judged as one huge step, which would trip the
+window and velocity rules after a clean run. (Per-call usage would need the AfterModel hook, which
+Gemini runs for every streamed chunk with the whole request: too costly to run per chunk.)
 """
 
 from __future__ import annotations
@@ -52,4 +55,5 @@ class GeminiStreamParser(JsonLinesParser):
         cached = min(count(stats, "cached"), total_in)  # included in the input count
         out = count(stats, "output_tokens")
         calls = count(stats, "tool_calls")
-        return [Step("result", total_in - cached, out, cached), Totals(total_in - cached, out, cached, calls)]
+        return [Step("result", total_in - cached, out, cached, totals=True),
+                Totals(total_in - cached, out, cached, calls)]

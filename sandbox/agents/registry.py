@@ -77,7 +77,10 @@ def _codex(hook: str) -> Launch:
 def _gemini(hook: str) -> Launch:
     entry = [{"matcher": ".*", "hooks": [{"type": "command", "command": hook, "timeout": 10000}]}]
     settings = json.dumps({"hooks": {"BeforeTool": entry, "AfterTool": entry}}, indent=2)
-    return Launch(files=(("GEMINI_CLI_SYSTEM_SETTINGS_PATH", "gemini-settings.json", settings),))
+    # --skip-trust: headless Gemini exits 55 in a folder the user has not trusted, and trusting it
+    # through the user's trustedFolders.json would change their own configuration.
+    return Launch(args=("--skip-trust",),
+                  files=(("GEMINI_CLI_SYSTEM_SETTINGS_PATH", "gemini-settings.json", settings),))
 
 
 _TABLE = (

@@ -417,7 +417,8 @@ class Daemon:
             case Hello():
                 return self._answer(b.hello(msg.agent))
             case Step():
-                return self._answer(b.step(msg.tokens_in, msg.tokens_out, msg.tokens_cached, msg.tool, msg.args))
+                return self._answer(b.step(msg.tokens_in, msg.tokens_out, msg.tokens_cached, msg.tool, msg.args,
+                                           totals=msg.totals))
             case ToolResult():
                 return self._answer(b.tool_result(msg.tool, msg.exit_code, msg.summary))
             case Check():

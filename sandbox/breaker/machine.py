@@ -156,7 +156,10 @@ class _Counters:
     window: collections.deque[int] = field(default_factory=collections.deque)  # maxlen set by Breaker
     # Times each distinct call was made since the last progress, keyed by a digest of its
     # text (a call's arguments can be megabytes: a Write's content), oldest first, bounded.
-    identical: dict[bytes, int] = field(default_factory=dict)
+    # Per distinct call, how many times each channel (the pre-tool hook, the agent's output
+    # stream) reported it: one call is seen by both, so it is counted once (the most any
+    # channel reported), never once per channel.
+    identical: dict[bytes, dict[str, int]] = field(default_factory=dict)
     calls: list[_Call] = field(default_factory=list)
 
 
@@ -279,11 +282,24 @@ class Breaker:
         tokens_cached: int = 0,
         tool: str | None = None,
         args: Any = None,
+        *,
+        totals: bool = False,
     ) -> Reply:
-        """One agent step (a model call), with its token usage and the tool it calls."""
+        """One agent step (a model call), with its token usage and the tool it calls.
+
+        With *totals*, the tokens are an agent's end-of-run totals over all its calls (Gemini's
+        stream reports no more): counted, but no step, and not judged by the window or velocity
+        rules, which one lump of a whole run would trip after the agent is done.
+        """
         self._last_activity = self.now()
         c = self._c
         tokens = tokens_in + tokens_out
+        if totals:
+            c.tokens_total += tokens
+            c.tokens_cached += tokens_cached
+            self.version += 1
+            self._emit("step", "", "allow", step=c.steps, tokens=tokens, tokens_cached=tokens_cached, totals=True)
+            return Reply(not self.state.terminal, self.state, self._feedback_if_halted())
         c.steps += 1
         c.tokens_total += tokens
         c.tokens_cached += tokens_cached
@@ -293,7 +309,7 @@ class Breaker:
         self._emit("step", "", "allow", step=c.steps, tokens=tokens, tokens_cached=tokens_cached, tool=tool)
         warning = ""
         if tool is not None:
-            reply = self._call(tool, args)
+            reply = self._call(tool, args, "stream")
             if reply.trip is not None:
                 return self._out(reply)
             warning = reply.warning
@@ -314,15 +330,24 @@ class Breaker:
 
     def tool_result(self, tool: str, exit_code: int, summary: str = "") -> Reply:
         """A tool finished: failures in a row, stagnation, and passing tests as restore points
-        (progress only after a real in-scope change: the agent's report alone proves nothing)."""
+        (progress only after a real in-scope change: the agent's report alone proves nothing).
+
+        A result answers the oldest call still unanswered; when every call is answered, it is
+        another channel's report of a result already counted (Gemini's AfterTool hook and its
+        stream's tool_result report each result): recorded, not counted again.
+        """
         self._touch()
         c = self._c
-        if c.calls and c.calls[-1].failed is None:
-            c.calls[-1].failed = exit_code != 0
+        call = next((call for call in c.calls if call.failed is None), None)
+        if call is None and c.calls:
+            self._emit("tool_result", "", "allow", tool=tool, exit_code=exit_code, counted=False)
+            return Reply(not self.state.terminal, self.state, self._feedback_if_halted())
+        if call is not None:
+            call.failed = exit_code != 0
         self._emit("tool_result", "", "allow", tool=tool, exit_code=exit_code)
         if exit_code == 0:
             c.consecutive_failures = 0
-            if _TEST_COMMAND.search(f"{tool} {summary} {c.calls[-1].text if c.calls else ''}"):
+            if _TEST_COMMAND.search(f"{tool} {summary} {call.text if call is not None else ''}"):
                 self._checkpoint(f"passing test: {summary or tool}"[:120], progress=self._changed_since_test)
                 self._changed_since_test = False
             self._changed()
@@ -362,7 +387,7 @@ class Breaker:
                 trip = self.trips[-1] if len(self.trips) > trips else None
                 return self._out(Reply(False, self.state, verdict.reason, trip=trip))
         if args is not None:
-            reply = self._call(tool, args)
+            reply = self._call(tool, args, "hook")
             if not reply.allow:
                 return self._out(reply)
             if reply.warning:
@@ -478,23 +503,43 @@ class Breaker:
     def _feedback_if_halted(self) -> str:
         return self.last_feedback if self.state is not State.CLOSED else ""
 
-    def _call(self, tool: str, args: Any) -> Reply:
-        """Repetition and stagnation bookkeeping for one tool call."""
+    def _call(self, tool: str, args: Any, channel: str) -> Reply:
+        """Repetition and stagnation bookkeeping for one tool call, as *channel* reported it.
+
+        An agent whose hook and output stream both report its calls (Gemini's BeforeTool hook and
+        its stream's tool_use; neither carries the other's call id) reports each call twice: a
+        call counts once, so the n-th report of a channel is a new call only when no channel
+        reported it n times already. (A shell call is known by its command alone: hooks send
+        just that.)
+        """
         c = self._c
+        if isinstance(args, dict) and "command" in args:
+            args = {"command": args["command"]}
         text = tool + " " + _CANONICAL.encode(args)
-        c.calls.append(_Call(text[:_SIMILARITY_CHARS]))  # stagnation compares beginnings: bounded work
-        if len(c.calls) > 8:
-            del c.calls[0]
         key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-        n = c.identical.pop(key, 0) + 1
-        c.identical[key] = n  # re-inserted: the dict's order is least recently made first
+        seen = c.identical.pop(key, {})
+        before = max(seen.values(), default=0)
+        seen[channel] = seen.get(channel, 0) + 1
+        n = max(before, seen[channel])
+        c.identical[key] = seen  # re-inserted: the dict's order is least recently made first
         if len(c.identical) > _IDENTICAL_KEPT:
             del c.identical[next(iter(c.identical))]
         limit = self.limits.max_identical_calls
+        if n == before:  # another channel's report of this same call: not counted again
+            if limit is not None and n >= limit:  # refused (once) if the first report's trip still stands
+                verdict = self._gate(f"{tool} call")
+                return Reply(verdict.allow, self.state, verdict.reason)
+            return self._repeat_warning(tool, n, limit)
+        c.calls.append(_Call(text[:_SIMILARITY_CHARS]))  # stagnation compares beginnings: bounded work
+        if len(c.calls) > 8:
+            del c.calls[0]
         if limit is not None and n >= limit:
             return self._reply_trip(Rule.REPEATED_ACTION, (
                 f"the same {tool} call, with the same arguments, for the {_nth(n)} time since the last change "
                 f"(max_identical_calls={limit})"))
+        return self._repeat_warning(tool, n, limit)
+
+    def _repeat_warning(self, tool: str, n: int, limit: int | None) -> Reply:
         if n == 1:
             return _FIRST_CALL
         return Reply(True, self.state, warning=(

@@ -69,6 +69,9 @@ class Step(_Msg):
     tokens_cached: _Count = Field(default=0, description="Cached input tokens (reported, not limited).")
     tool: Annotated[str, Field(max_length=200)] | None = Field(default=None, description="Tool called.")
     args: Any = Field(default=None, description="The tool's arguments (any JSON).")
+    totals: Annotated[bool, Strict()] = Field(default=False, description=(
+        "The tokens are an agent's end-of-run totals over many calls, not one call's: counted, "
+        "not judged by the per-step token rules."))
 
 
 class ToolResult(_Msg):

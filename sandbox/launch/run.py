@@ -289,6 +289,8 @@ def _agent_argv(
     for var, name, content in setup.files:  # the agent's settings for this run, bound read-only
         written = mnt.parent / name
         written.write_text(content)
+        # 0644 whatever the umask: Gemini skips a system settings file others may write.
+        written.chmod(0o644)
         files.append((str(written), f"{SANDBOX_RUN_DIR}/{name}"))
         env[var] = f"{SANDBOX_RUN_DIR}/{name}" if bwrap is not None else str(written)
     if bwrap is None:
