@@ -10,7 +10,6 @@ from npm once into ``.cache/``.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -29,8 +28,6 @@ from .gemini_server import Turn, scripted_gemini
 from .helpers import FIX_TAX
 
 GEMINI_VERSION = "0.61.0"
-#: Whether a lookup of a forbidden path is refused without a violation (issue 14, Build 1).
-LOOKUPS_ARE_NO_VIOLATION = importlib.util.find_spec("guardfs.intent") is not None
 CACHE = Path(__file__).resolve().parent.parent / ".cache" / f"gemini-cli-{GEMINI_VERSION}"
 
 
@@ -116,11 +113,7 @@ FORBIDDEN = [".github/workflows/", "secrets/"]
 @pytest.mark.mount
 @pytest.mark.parametrize("forbidden", [
     FORBIDDEN,
-    # Passes once the intent14 branch (guardfs/intent.py) is merged: checked against it. Drop the mark then.
-    pytest.param([*FORBIDDEN, ".env*"], marks=pytest.mark.xfail(not LOOKUPS_ARE_NO_VIOLATION, strict=True, reason=(
-        "Gemini checks whether <cwd>/.env exists at start-up (even with --ignore-env): a lookup of a "
-        "forbidden path trips forbidden_path until lookups are refused without a violation (issue 14, "
-        "Build 1)"))),
+    [*FORBIDDEN, ".env*"],  # Gemini stats <cwd>/.env at start-up: refused, no violation
 ], ids=["no-env-rule", "env-forbidden"])
 def test_gemini_stays_in_scope_exit_0(tmp_path: Path, gemini_cli: Path, forbidden: list[str]) -> None:
     ws, home, manifest = repository(tmp_path, forbidden)
