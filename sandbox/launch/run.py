@@ -345,10 +345,8 @@ def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: E
         _say(f"fast lane left out: {reason}")
     if not lanes.trees:
         return []
-    masked = len(lanes.masked_files) + len(lanes.masked_dirs)
-    _say(f"fast lanes (read natively, read-only, not seen by the breaker): {', '.join(lanes.trees)}"
-         + (f"; {masked} forbidden path(s) masked inside" if masked else ""))
-    events.emit("lanes", "", "allow", trees=lanes.trees, masked=masked)
+    _say(f"fast lanes (read natively, read-only, not seen by the breaker): {', '.join(lanes.trees)}")
+    events.emit("lanes", "", "allow", trees=lanes.trees)
     return argv
 
 
