@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pathspec
@@ -20,7 +22,7 @@ from sandbox.launch import lanes
 from sandbox.launch.lanes import LaneStage, plan_lanes
 from sandbox.launch.run import RunOptions, _fast_lanes
 
-from .helpers import snapshot
+from .helpers import snapshot, wait_for
 from .test_run import guard_run
 
 LANES = """
@@ -291,3 +293,120 @@ def test_a_lane_that_cannot_be_staged_falls_back_to_the_mount(
     assert "fast lanes are off: [Errno 1] binding" in capsys.readouterr().err
     assert list(stage.iterdir()) == []
     assert "lanes" not in (tmp_path / "events.jsonl").read_text()
+
+
+MIDRUN = """
+import errno, json, os, subprocess, sys, time
+go, lists, forbidden = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+def fstype(path):
+    return subprocess.run(["stat", "-f", "-c", "%T", path], capture_output=True, text=True).stdout.strip()
+out = {"fs": {d: fstype(d) for d in lists}}
+print("READY", flush=True)
+deadline = time.monotonic() + 120
+while not os.path.exists(go) and time.monotonic() < deadline:
+    time.sleep(0.05)  # the host creates the forbidden files, then go
+for d in lists:
+    out["list:" + d] = sorted(os.listdir(d))
+try:
+    out["read"] = open(forbidden).read()
+except OSError as err:
+    out["read"] = errno.errorcode[err.errno]
+print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.root
+@pytest.mark.mount
+@pytest.mark.parametrize("user", [None, "nobody"])
+@pytest.mark.parametrize(("forbid", "created", "lanes_left"), [
+    # Anchored: docs/ could hold a match, so it is behind the mount; its subdirectory a lane.
+    ("/.env*", ["docs/.env.late"], "docs/api"),
+    # At any depth: a match could appear in any directory, so there are no lanes at all.
+    (".env*", ["docs/api/.env.late", "vendor/lib/.env", "src/auth/.env"], None),
+])
+def test_a_forbidden_file_the_host_creates_mid_run_is_neither_listed_nor_readable(
+    tmp_path: Path, user: str | None, forbid: str, created: list[str], lanes_left: str | None,
+) -> None:
+    """The host creates forbidden files in out-of-scope directories while the agent runs
+    (hostile: it polls for them). Whatever the lanes' plan, the agent sees what the mount
+    shows: the names are not listed, the content is refused, and the mount records it."""
+    shared = Path(tempfile.mkdtemp(prefix="guardfs-lanes-", dir="/var/tmp"))
+    try:
+        shared.chmod(0o711)
+        exposed = shared / "exposed"
+        exposed.mkdir()
+        ws = tree(tmp_path / "ws")
+        if user:
+            subprocess.run(["chown", "-R", "65534:65534", str(ws)], check=True)
+            os.chown(exposed, 65534, 65534)
+        manifest = tmp_path / "lanes.toml"
+        manifest.write_text(LANES.replace('"/.env*", ', f'"{forbid}", ')
+                            .replace("[sandbox]", '[breaker]\nrecoverable = ["forbidden_path"]\n[sandbox]')
+                            + f'writable = ["{exposed}"]\n')
+        lists = sorted({os.path.dirname(p) for p in created} | {"docs/api"})
+        run_dir = tmp_path / "run"
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest), "--run-dir", str(run_dir),
+             *(["--user", user] if user else []), "--", "/usr/bin/python3", "-c", MIDRUN, str(exposed / "go"),
+             json.dumps(lists), created[0]],
+            cwd=ws, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+        )
+        try:
+            wait_for(lambda: agent.poll() is not None or (
+                (run_dir / "stdout.log").exists() and "READY" in (run_dir / "stdout.log").read_text()),
+                "the agent to start", timeout=60)
+            assert agent.poll() is None
+            for path in created:
+                (ws / path).write_text("LATE-SECRET\n")
+            (exposed / "go").touch()
+            _, err = agent.communicate(timeout=120)
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+        assert agent.returncode == 0, err
+        found = json.loads((run_dir / "stdout.log").read_text().splitlines()[-1])
+        for path in created:
+            parent, name = os.path.split(path)
+            assert name not in found[f"list:{parent}"], found
+        assert found["read"] == "EACCES", found
+        assert "LATE-SECRET" not in (run_dir / "stdout.log").read_text()
+        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+        assert any(e.get("decision") == "deny" and e["path"] == created[0] for e in events)
+        if lanes_left:
+            assert "fast lanes (read natively" in err
+            assert not found["fs"][lanes_left].startswith("fuse"), found  # still a lane
+            assert all(found["fs"][os.path.dirname(p)].startswith("fuse") for p in created), found
+        else:
+            assert "matches at any depth" in err and "fast lanes (read natively" not in err
+            assert all(fs.startswith("fuse") for fs in found["fs"].values()), found
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_a_hard_link_of_a_forbidden_file_in_a_lane_is_refused_as_through_the_mount(tmp_path: Path) -> None:
+    """ln .env vendor/lib/env_hl before the run: vendor/lib is then no lane, and the mount
+    refuses the link by its inode; vendor/lib/deep, beside it, is still a lane."""
+    ws = tree(tmp_path / "ws")
+    (ws / "vendor/lib/deep").mkdir()
+    os.link(ws / ".env", ws / "vendor/lib/env_hl")
+    manifest = tmp_path / "lanes.toml"
+    manifest.write_text(LANES.replace("[sandbox]", '[breaker]\nrecoverable = ["forbidden_path"]\n[sandbox]'))
+    script = """
+        import errno, json, subprocess
+        out = {"fs": subprocess.run(["stat", "-f", "-c", "%T", "vendor/lib", "vendor/lib/deep"],
+                                    capture_output=True, text=True).stdout.split()}
+        try:
+            out["read"] = open("vendor/lib/env_hl").read()
+        except OSError as err:
+            out["read"] = errno.errorcode[err.errno]
+        print(json.dumps(out))
+    """
+    run = guard_run(manifest, ws, tmp_path / "run", script, "--ci")
+    assert run.returncode == 0, run.stderr
+    out = json.loads((tmp_path / "run/stdout.log").read_text())
+    assert out["read"] == "EACCES"
+    assert out["fs"][0].startswith("fuse") and not out["fs"][1].startswith("fuse"), out
+    assert "vendor: it holds another name (a hard link) of a forbidden file" in run.stderr
