@@ -197,8 +197,7 @@ def plan_lanes(manifest: Manifest, workspace: Path, max_lanes: int = MAX_LANES) 
                        "it holds another name (a hard link) of a forbidden file")
             lanes.skipped.append(f"{tree}: {why}; "
                                  + (f"only {', '.join(trees)} {'is a lane' if len(trees) == 1 else 'are lanes'}, "
-                                    if trees else "")
-                                 + "the rest stays behind the mount")
+                                    "the rest stays behind the mount" if trees else "it stays behind the mount"))
         lanes.trees += trees
     return lanes
 

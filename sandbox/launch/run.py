@@ -117,7 +117,7 @@ def run(opts: RunOptions) -> int:
     check_fuse_available()
     run_dir = opts.run_dir
     claim_run_dir(run_dir)  # mode 000 as root: out of every sandbox's reach (sandbox.launch.runs)
-    # What the agent's side must reach (the mount, the agent socket, the lanes' masks) lives,
+    # What the agent's side must reach (the mount, the agent socket, the staged lanes) lives,
     # as root, in a staging directory under /tmp that only this guard's private mount
     # namespace sees: a tmpfs mounted over an empty directory. On the host (and in any other
     # run's sandbox) it stays empty; in the sandbox /tmp is a tmpfs of its own, whatever
