@@ -378,7 +378,7 @@ def test_a_guard_killed_with_sigkill_leaves_no_stage_behind_the_next_start(tmp_p
             (tmp_path / "run-k/stdout.log").exists() and marker in (tmp_path / "run-k/stdout.log").read_text()),
             "the agent to be killed", timeout=60)
         assert killed.poll() is None
-        stages = list(Path("/tmp").glob(f"guardfs-stage-{killed.pid}-*"))
+        stages = list(Path("/tmp").glob(f"guardfs-stage-*.{killed.pid}-*"))
         assert len(stages) == 1, stages
         killed.send_signal(signal.SIGKILL)
         killed.wait(timeout=30)
@@ -389,14 +389,14 @@ def test_a_guard_killed_with_sigkill_leaves_no_stage_behind_the_next_start(tmp_p
     wait_for(lambda: not os.path.exists(f"/proc/{killed.pid}"), "the killed guard to be reaped")
     assert stages[0].is_dir() and list(stages[0].iterdir()) == []  # left behind, empty on the host
     with _run_b(tmp_path, Path(tempfile.mkdtemp(prefix="guardfs-escape-", dir="/var/tmp"))) as (live, run_b):
-        live_stage = list(Path("/tmp").glob(f"guardfs-stage-{live.pid}-*"))
+        live_stage = list(Path("/tmp").glob(f"guardfs-stage-*.{live.pid}-*"))
         assert not stages[0].exists()  # removed by this guard as it started
         ws2, manifest2 = workspace(tmp_path / "n")
         result = subprocess.run(
             [sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest2), "--run-dir",
              str(tmp_path / "run-n"), "--", "true"], cwd=ws2, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
-        assert list(Path("/tmp").glob(f"guardfs-stage-{live.pid}-*")) == live_stage != []  # a live guard's stays
+        assert list(Path("/tmp").glob(f"guardfs-stage-*.{live.pid}-*")) == live_stage != []  # a live guard's stays
         assert live.poll() is None
         _stop(live, run_b)
     shutil.rmtree(run_b.parent, ignore_errors=True)

@@ -18,7 +18,8 @@ keep it out:
 
 A guard killed with SIGKILL cannot remove its staging directory under /tmp (empty on the
 host: its tmpfs lived in the guard's own mount namespace). The name carries the guard's
-pid; the next guard removes those whose guard is gone (:func:`remove_stale_stages`).
+PID namespace and pid; the next guard removes those whose guard is gone
+(:func:`remove_stale_stages`).
 """
 
 from __future__ import annotations
@@ -48,9 +49,14 @@ def claim_run_dir(run_dir: Path) -> None:
         os.chmod(run_dir, 0)
 
 
+def _pid_namespace() -> str:
+    return str(os.stat("/proc/self/ns/pid").st_ino)
+
+
 def stage_prefix() -> str:
-    """The name prefix of this guard's staging directory (its pid, for :func:`remove_stale_stages`)."""
-    return f"{STAGE_PREFIX}{os.getpid()}-"
+    """The name prefix of this guard's staging directory: its PID namespace and pid, for
+    :func:`remove_stale_stages`."""
+    return f"{STAGE_PREFIX}{_pid_namespace()}.{os.getpid()}-"
 
 
 def remove_stale_stages(base: Path = Path("/tmp")) -> list[Path]:
@@ -62,14 +68,18 @@ def remove_stale_stages(base: Path = Path("/tmp")) -> list[Path]:
     removed under a live guard would detach its mounts). rmdir removes only what is empty.
     """
     removed: list[Path] = []
+    ours = _pid_namespace()
     try:
         entries = list(base.glob(STAGE_PREFIX + "*"))
     except OSError:
         return removed
     for entry in entries:
-        pid, sep, _ = entry.name[len(STAGE_PREFIX):].partition("-")
-        # A name without the pid (mkdtemp's tail has no '-') is not ours to judge.
-        if not (sep and pid.isdigit()) or os.path.exists(f"/proc/{pid}") or entry.is_symlink():
+        owner, sep, _ = entry.name[len(STAGE_PREFIX):].partition("-")
+        namespace, _, pid = owner.partition(".")
+        # Judged only by a guard that sees the same pids (a /tmp shared with a container is
+        # not); a name without them (mkdtemp's tail has no '-') is not ours to judge either.
+        if not (sep and pid.isdigit()) or namespace != ours or os.path.exists(f"/proc/{pid}") \
+                or entry.is_symlink():
             continue
         try:
             entry.rmdir()
