@@ -15,8 +15,8 @@ own home), the guard's run trees and every other live run's directory are covere
 tmpfs, and every file and directory under /etc that others may not read (/etc/shadow, host
 keys, ...) by an unreadable stand-in; a root guard's run directory is mode 000 wherever and
 whenever it is made, which uid 0 without capabilities cannot enter (:mod:`sandbox.launch.runs`).
-The agent stays root (tools and images that expect it
-keep working); these masks are what make root's secrets not its own. See :func:`host_secrets`.
+The agent stays root (tools and images that expect it keep working); these masks are what make
+root's secrets not its own. See :func:`host_secrets`.
 With ``[sandbox] network = "none"`` the agent also gets a network namespace of its own.
 """
 
