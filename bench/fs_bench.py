@@ -199,8 +199,10 @@ def sides(hp: Path | None) -> dict[str, Side]:
 
 
 #: The same tree with the task scoped to src/checkout/ and out-of-scope trees as fast lanes:
-#: django/ is then read natively inside guard run's sandbox.
-LANES_MANIFEST = MANIFEST.replace('allowed = ["**"]', 'allowed = ["src/checkout/**"]') + """
+#: django/ is then read natively inside guard run's sandbox. The forbidden patterns are
+#: anchored: one that matches at any depth ('.env*') leaves no lanes (sandbox.launch.lanes).
+LANES_MANIFEST = MANIFEST.replace('allowed = ["**"]', 'allowed = ["src/checkout/**"]').replace(
+    '".env*", "**/secrets/"', '"/.env*", "src/**/secrets/"') + """
 [sandbox]
 out_of_scope_fast_lanes = true
 """

@@ -256,16 +256,18 @@ def test_lanes_staging_is_out_of_sight_whatever_tmpdir_says(tmp_path: Path, user
             subprocess.run(["chown", "-R", "65534:65534", str(ws)], check=True)
         manifest = tmp_path / "lanes.toml"
         manifest.write_text(LANES.replace("[sandbox]", '[breaker]\nrecoverable = ["forbidden_path"]\n[sandbox]'))
-        args = {"mountinfo": str(tmpdir), "reads": ["docs/.env.docs", "node_modules/pkg/secrets/key.pem"],
-                "lists": ["docs"]}
+        # One forbidden read: a second would stop the run (forbidden_path is recoverable once).
+        args = {"mountinfo": str(tmpdir), "reads": ["node_modules/pkg/secrets/key.pem"],
+                "lists": ["docs", "node_modules/pkg"]}
         env = {**os.environ, "TMPDIR": str(tmpdir)}
         result, found = _run(manifest, ws, tmp_path / "run", args, user, env)
         assert "fast lanes (read natively" in result.stderr
         assert not any(str(p).startswith(str(tmpdir)) for p in found["staged"]), found
         for p in found["staged"]:
             assert found[f"list:{p}"][0] == "ENOENT", found  # named in mountinfo, reachable nowhere
-        assert found["read:docs/.env.docs"][0] == "EACCES", found
         assert found["read:node_modules/pkg/secrets/key.pem"][0] in ("EACCES", "ENOENT"), found
+        assert found["list:docs"] == ["ok", ["api"]], found  # .env.docs: not even named
+        assert sorted(found["list:node_modules/pkg"][1]) == ["index.js", "lib"], found
         assert list(tmpdir.iterdir()) == []
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
@@ -284,5 +286,125 @@ def test_lane_planning_leaves_out_symlinked_and_in_scope_lanes(tmp_path: Path) -
     assert "third_party/lib: third_party is a symlink" in text and "name the real directory" in text
     assert "src/checkout: inside paths.allowed" in text
     assert "src: inside paths.allowed" in text  # an allowed directory lies beneath it
-    assert "node_modules" in lanes.trees
+    assert "node_modules/pkg/lib" in lanes.trees
     assert not any(t.startswith(("src", "third_party")) and t != "src/auth" for t in lanes.trees)
+
+
+WAITER = r"""
+import errno, json, os, sys, time
+go = sys.argv[1]
+print("A-READY", flush=True)
+deadline = time.monotonic() + 120
+while not os.path.exists(go) and time.monotonic() < deadline:
+    time.sleep(0.05)  # the host writes go.json once run B is up
+out = {}
+for path in json.loads(open(go).read()):
+    try:
+        out["list:" + path] = ["ok", os.listdir(path)]
+    except OSError as err:
+        out["list:" + path] = [errno.errorcode[err.errno], None]
+    for name in ("stdout.log", "events.jsonl", "ledger.json"):
+        try:
+            out["read:" + name] = ["ok", open(os.path.join(path, name)).read()]
+        except OSError as err:
+            out["read:" + name] = [errno.errorcode[err.errno], None]
+print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.root
+@pytest.mark.mount
+@pytest.mark.parametrize("user", USERS)
+def test_a_run_directory_made_after_a_sandbox_started_is_closed_to_it(tmp_path: Path, user: str | None) -> None:
+    """Run A's sandbox is built first; then run B starts with --run-dir under /var/tmp (no
+    place every sandbox hides, and not live when A's masks were computed). A's agent, root
+    or not, can neither list B's run directory nor read B's log, events or ledger."""
+    shared = Path(tempfile.mkdtemp(prefix="guardfs-escape-", dir="/var/tmp"))
+    try:
+        shared.chmod(0o711)
+        exposed = shared / "exposed"
+        exposed.mkdir()
+        if user:
+            os.chown(exposed, 65534, 65534)
+        ws, manifest = _workspace(tmp_path / "a", user, f'[sandbox]\nwritable = ["{exposed}"]\n')
+        run_a = tmp_path / "run-a"
+        flags = ["--user", user] if user else []
+        proc_a = subprocess.Popen(
+            [sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest), "--run-dir", str(run_a),
+             *flags, "--", PYTHON, "-c", WAITER, str(exposed / "go.json")],
+            cwd=ws, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+        )
+        try:
+            wait_for(lambda: proc_a.poll() is not None or (
+                (run_a / "stdout.log").exists() and "A-READY" in (run_a / "stdout.log").read_text()),
+                "run A's agent", timeout=60)
+            assert proc_a.poll() is None
+            with _run_b(tmp_path, shared) as (proc_b, run_b):
+                go = exposed / "go.json"
+                go.with_suffix(".tmp").write_text(json.dumps([str(run_b)]))
+                go.with_suffix(".tmp").rename(go)
+                _, err = proc_a.communicate(timeout=120)
+                assert proc_a.returncode == 0, err
+                assert proc_b.poll() is None  # B runs on
+                mode = os.stat(run_b).st_mode & 0o7777
+                _stop(proc_b, run_b)
+        finally:
+            if proc_a.poll() is None:
+                proc_a.kill()
+                proc_a.wait()
+        found = json.loads((run_a / "stdout.log").read_text().splitlines()[-1])
+        assert found[f"list:{run_b}"][0] == "EACCES", found
+        for name in ("stdout.log", "events.jsonl", "ledger.json"):
+            assert found[f"read:{name}"][0] == "EACCES", found
+        assert mode == 0  # the guard's alone, by its capabilities
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_a_guard_killed_with_sigkill_leaves_no_stage_behind_the_next_start(tmp_path: Path) -> None:
+    """A guard killed with SIGKILL cannot remove its (empty) staging directory; the next
+    guard that starts removes it, since its guard is gone, and keeps a live guard's."""
+    ws, manifest = workspace(tmp_path / "k")
+    marker = f"guardfs-stale-stage-{os.getpid()}"
+    killed = subprocess.Popen(
+        [sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest), "--run-dir",
+         str(tmp_path / "run-k"), "--", PYTHON, "-c", f"import signal; print({marker!r}, flush=True); signal.pause()"],
+        cwd=ws, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: killed.poll() is not None or (
+            (tmp_path / "run-k/stdout.log").exists() and marker in (tmp_path / "run-k/stdout.log").read_text()),
+            "the agent to be killed", timeout=60)
+        assert killed.poll() is None
+        stages = list(Path("/tmp").glob(f"guardfs-stage-*.{killed.pid}-*"))
+        assert len(stages) == 1, stages
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=30)
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+            killed.wait()
+    wait_for(lambda: not os.path.exists(f"/proc/{killed.pid}"), "the killed guard to be reaped")
+    assert stages[0].is_dir() and list(stages[0].iterdir()) == []  # left behind, empty on the host
+    with _run_b(tmp_path, Path(tempfile.mkdtemp(prefix="guardfs-escape-", dir="/var/tmp"))) as (live, run_b):
+        live_stage = list(Path("/tmp").glob(f"guardfs-stage-*.{live.pid}-*"))
+        assert not stages[0].exists()  # removed by this guard as it started
+        ws2, manifest2 = workspace(tmp_path / "n")
+        result = subprocess.run(
+            [sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest2), "--run-dir",
+             str(tmp_path / "run-n"), "--", "true"], cwd=ws2, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert list(Path("/tmp").glob(f"guardfs-stage-*.{live.pid}-*")) == live_stage != []  # a live guard's stays
+        assert live.poll() is None
+        _stop(live, run_b)
+    shutil.rmtree(run_b.parent, ignore_errors=True)
+
+
+def _stop(proc: subprocess.Popen[str], run_dir: Path) -> None:
+    """Stop a live run from the host, as its operator would (no stale staging left)."""
+    stop = subprocess.run([sys.executable, "-m", "sandbox", "stop", "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert stop.returncode == 0, stop.stderr
+    assert proc.wait(timeout=60) == 75

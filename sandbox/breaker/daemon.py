@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import struct
 import time
 from collections.abc import Callable
@@ -209,7 +210,8 @@ class Daemon:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # The guard's alone: its record, restore points and control socket. An agent of
         # another user reaches its socket through a staging directory (guard run --user).
-        os.chmod(self.run_dir, 0o700)
+        # Narrowed, never widened: a root guard keeps it at 000 (sandbox.launch.runs).
+        os.chmod(self.run_dir, stat.S_IMODE(self.run_dir.stat().st_mode) & 0o700)
         for path in (self.agent_path, self.control_path):
             if path.exists():
                 probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -5,7 +5,7 @@
 - :mod:`sandbox.launch.isolation`: bubblewrap's arguments and the mount namespace;
   :mod:`sandbox.launch.landlock` and :mod:`sandbox.launch.enter` (the step inside the
   sandbox that applies Landlock and no_new_privs, then execs the agent);
-- :mod:`sandbox.launch.lanes`: fast lanes bound natively, forbidden paths masked;
+- :mod:`sandbox.launch.lanes`: fast lanes bound natively where no forbidden pattern can reach;
 - :mod:`sandbox.launch.supervisor`: the spawner thread and the agent's process tree
   (freeze, thaw, terminate; pid-reuse safe);
 - :mod:`sandbox.launch.quarantine`: the capped logs and the CI digest;

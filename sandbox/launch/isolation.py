@@ -13,8 +13,10 @@ What only root (or another user) may read on the host stays unreadable even to a
 whose uid 0 without capabilities still owns root's files: /root, /home (but an agent user's
 own home), the guard's run trees and every other live run's directory are covered by empty
 tmpfs, and every file and directory under /etc that others may not read (/etc/shadow, host
-keys, ...) by an unreadable stand-in. The agent stays root (tools and images that expect it
-keep working); these masks are what make root's secrets not its own. See :func:`host_secrets`.
+keys, ...) by an unreadable stand-in; a root guard's run directory is mode 000 wherever and
+whenever it is made, which uid 0 without capabilities cannot enter (:mod:`sandbox.launch.runs`).
+The agent stays root (tools and images that expect it keep working); these masks are what make
+root's secrets not its own. See :func:`host_secrets`.
 With ``[sandbox] network = "none"`` the agent also gets a network namespace of its own.
 """
 
@@ -230,7 +232,7 @@ def bwrap_argv(
     *entry* is how to run :mod:`sandbox.launch.enter` (default: this interpreter, ``-m``); *files*
     are (source, destination) pairs bound read-only (an agent's settings for this run);
     *over_workspace* are bubblewrap arguments applied right after the mount is bound at the
-    workspace (the fast lanes and their masks); *exec_logs* is the host directory bound
+    workspace (the fast lanes); *exec_logs* is the host directory bound
     writable at ``GUARD_RUN_DIR/exec`` for ``guard exec``'s logs (the agent's user must be
     able to write it); *masks* are the host's trees and files the agent must not read
     (:func:`host_secrets`), files covered by *mask_file*, an empty mode-000 file;

@@ -3,47 +3,97 @@
 A fast lane is a directory that the manifest makes read-only anyway (declared in
 ``[sandbox] fast_lanes``, or, with ``out_of_scope_fast_lanes``, lying wholly outside
 ``paths.allowed``). ``guard run`` binds the real directory read-only over its place in the
-mounted workspace, inside the sandbox only, and masks every forbidden path inside it with an
-empty, unreadable stand-in. Reads there cost what they cost natively.
+mounted workspace, inside the sandbox only. Reads there cost what they cost natively.
 
-What a lane keeps: forbidden paths stay unreadable (masked before the agent starts), and
-nothing in a lane can be written (a read-only bind; the kernel answers EROFS, the errno
-guardfs gives out-of-scope writes). What it gives up: the guard never hears of those
-operations. A refused write there is not an event and does not feed the breaker (no
-scope_spill), a read of a masked path is not a forbidden-read trip, and a forbidden file
-created in a lane during the run is impossible only because nothing can be created there.
-A hard link inside a lane to a forbidden file elsewhere is read natively (through FUSE it
-would be judged by the name it is reached under, which is the same rule).
+A lane must show what the mount would, for the whole run, and a bind shows the live
+directory: whatever the host creates in it during the run appears in it. A mask (a bind
+over a forbidden name) cannot be placed over a name that does not exist yet, and one
+mounted after the fact (a watch on the lane) loses the race to an agent that opens the file
+as it appears. So a directory is a lane only where *no* forbidden pattern could match
+anything beneath it, now or later (:func:`forbidden_reach`):
+
+- a pattern that matches at any depth (``.env*``, ``**/secrets/``, ``*.pem``) could match
+  in any directory: with one, there are no lanes at all (said, with the way out: anchor it);
+- an anchored pattern (``docs/.env*``, ``/config/secrets/``) re-plans the lane: the
+  directories on its way go through the mount (which hides and refuses forbidden names,
+  also those created during the run), and their other subdirectories become lanes;
+- a hard link, made before the run, of a file forbidden by name (which the mount refuses
+  under any name, :mod:`guardfs.links`) keeps the directories above it under the mount too.
+
+So nothing forbidden is ever listed or readable in a lane, and nothing needs masking.
+Nothing in a lane can be written (a read-only bind; the kernel answers EROFS, the errno
+guardfs gives out-of-scope writes). What a lane gives up: the guard never hears of
+operations there. A refused write there is not an event and does not feed the breaker (no
+scope_spill). A hard link the host makes during the run is seen by neither the mount nor
+a lane (the mount's walk is at start).
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
+import fnmatch
 import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from guardfs.backing import Backing
+from guardfs.links import forbidden_links
 from guardfs.manifest import Manifest
 from guardfs.policy import GUARD_DIR, PathPolicy, Scope
 from sandbox.launch.isolation import bind_read_only, unbind
 
-__all__ = ["MAX_MASKS", "LaneStage", "Lanes", "plan_lanes"]
+__all__ = ["MAX_LANES", "LaneStage", "Lanes", "Reach", "forbidden_reach", "plan_lanes"]
 
-#: More forbidden paths than this inside one lane and it is served through FUSE instead
-#: (each mask is a mount in the sandbox).
-MAX_MASKS = 500
+#: More lanes than this from one declared or out-of-scope tree (once re-planned around the
+#: forbidden paths) and it is served through FUSE instead (each lane is a mount in the sandbox).
+MAX_LANES = 500
 _NEVER = (".git", GUARD_DIR)
 
 
 @dataclass
 class Lanes:
-    """Which directories go native, what is masked inside them, and what was left out."""
+    """Which directories go native, and what was left out (and why)."""
 
     trees: list[str] = field(default_factory=list)
-    masked_files: list[str] = field(default_factory=list)
-    masked_dirs: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+
+
+class Reach(enum.Enum):
+    """How far a forbidden pattern reaches beneath a directory."""
+
+    NONE = "nothing beneath it can match"
+    SOME = "some paths beneath it could match; its subdirectories may not"
+    ALL = "anything beneath it could match"
+
+
+def _anywhere(pattern: str) -> bool:
+    """Whether the (non-negated) gitignore-style *pattern* matches at any depth."""
+    body = pattern.strip().rstrip("/")
+    return bool(body) and not body.startswith(("#", "!")) and ("/" not in body or body.startswith("**/"))
+
+
+def forbidden_reach(pattern: str, directory: str) -> Reach:
+    """Whether the gitignore-style *pattern* could match *directory* (workspace-relative)
+    or anything beneath it, whatever is created there later. Errs towards reaching: a
+    negation is ignored (it only narrows), a segment with a class or an escape matches all."""
+    body = pattern.rstrip()
+    if not body or body.startswith(("#", "!")):
+        return Reach.NONE
+    if _anywhere(body):
+        return Reach.ALL
+    segments = body.rstrip("/").lstrip("/").split("/")
+    parts = directory.split("/")
+    for i, part in enumerate(parts):
+        if i == len(segments):
+            return Reach.ALL  # the pattern matched an ancestor: everything beneath is forbidden
+        seg = segments[i]
+        if seg == "**":
+            return Reach.ALL
+        if not any(c in seg for c in "[\\") and not fnmatch.fnmatchcase(part, seg):
+            return Reach.NONE
+    return Reach.ALL if len(segments) == len(parts) else Reach.SOME
 
 
 def _anchors(allowed: list[str]) -> list[str] | None:
@@ -87,8 +137,8 @@ def _out_of_scope(root: Path, anchors: list[str], policy: PathPolicy, dev: int) 
     return found
 
 
-def plan_lanes(manifest: Manifest, workspace: Path, max_masks: int = MAX_MASKS) -> Lanes:
-    """The fast lanes of *workspace* under *manifest*, with their masks."""
+def plan_lanes(manifest: Manifest, workspace: Path, max_lanes: int = MAX_LANES) -> Lanes:
+    """The fast lanes of *workspace* under *manifest*: directories no forbidden pattern can reach."""
     lanes = Lanes()
     policy = PathPolicy(manifest)
     root = workspace.resolve()
@@ -124,15 +174,80 @@ def plan_lanes(manifest: Manifest, workspace: Path, max_masks: int = MAX_MASKS) 
         else:
             candidates += [p for p in _out_of_scope(root, anchors, policy, dev)
                            if not any(p == c or p.startswith(c + "/") for c in candidates)]
+    if not candidates:
+        return lanes
+    patterns = [str(p) for p in manifest.paths.forbidden]
+    if anywhere := [p for p in patterns if _anywhere(p)]:
+        lanes.skipped.append(
+            f"{', '.join(sorted(candidates))}: paths.forbidden {anywhere[0]!r} matches at any depth, so a "
+            "forbidden file created in a lane during the run would be read there natively (a lane shows the "
+            "live directory and cannot hide a name that appears later); every path stays behind the mount. "
+            "Anchor the pattern where the secrets live (e.g. '/" + anywhere[0].lstrip("*/") + "') to allow lanes")
+        return lanes
+    tainted = _hard_link_dirs(root, policy, candidates)
     for tree in sorted(candidates):
-        files, dirs = _masks(root, tree, policy, max_masks)
-        if files is None or dirs is None:
-            lanes.skipped.append(f"{tree}: more than {max_masks} forbidden paths inside; it stays behind the mount")
+        trees = _split(root, tree, patterns, tainted, dev, max_lanes)
+        if trees is None:
+            lanes.skipped.append(f"{tree}: more than {max_lanes} lanes once split around the forbidden paths "
+                                 "inside; it stays behind the mount")
             continue
-        lanes.trees.append(tree)
-        lanes.masked_files += files
-        lanes.masked_dirs += dirs
+        if trees != [tree]:
+            why = next((f"paths.forbidden {p!r} could match inside" for p in patterns
+                        if forbidden_reach(p, tree) is not Reach.NONE),
+                       "it holds another name (a hard link) of a forbidden file")
+            lanes.skipped.append(f"{tree}: {why}; "
+                                 + (f"only {', '.join(trees)} {'is a lane' if len(trees) == 1 else 'are lanes'}, "
+                                    "the rest stays behind the mount" if trees else "it stays behind the mount"))
+        lanes.trees += trees
     return lanes
+
+
+def _split(root: Path, tree: str, patterns: list[str], tainted: set[str], dev: int, limit: int) -> list[str] | None:
+    """The directories at and below *tree* that no forbidden pattern can reach, highest
+    first: a directory on the way to a possible match goes through the mount, its other
+    subdirectories are tried in turn. None past *limit* lanes."""
+    out: list[str] = []
+    stack = [tree]
+    while stack:
+        path = stack.pop()
+        reach = {forbidden_reach(p, path) for p in patterns}
+        if Reach.ALL in reach:
+            continue
+        if Reach.SOME not in reach and path not in tainted:
+            out.append(path)
+            if len(out) > limit:
+                return None
+            continue
+        try:
+            with os.scandir(root / path) as it:
+                stack += [f"{path}/{e.name}" for e in it if e.is_dir(follow_symlinks=False)
+                          and e.stat(follow_symlinks=False).st_dev == dev]
+        except OSError:
+            continue  # vanished or unreadable: it stays behind the mount
+    return sorted(out)
+
+
+def _hard_link_dirs(root: Path, policy: PathPolicy, trees: list[str]) -> set[str]:
+    """The directories (and their ancestors) under *trees* that hold another name of a file
+    forbidden by name: the mount refuses it under any name, a lane would not."""
+    backing = Backing(str(root))
+    try:
+        inodes = forbidden_links(backing, policy)
+    finally:
+        backing.close()
+    out: set[str] = set()
+    if not inodes:
+        return out
+    for tree in trees:
+        for dirpath, _, filenames in os.walk(root / tree):
+            rel = os.path.relpath(dirpath, root)
+            for name in filenames:
+                with contextlib.suppress(OSError):
+                    st = os.lstat(os.path.join(dirpath, name))
+                    if st.st_nlink > 1 and st.st_ino in inodes:
+                        parts = rel.split("/")
+                        out.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return out
 
 
 def _symlinked_parent(root: Path, declared: str) -> str | None:
@@ -152,51 +267,18 @@ def _in_scope(policy: PathPolicy, allowed: list[str], declared: str) -> bool:
     return any(a.startswith(declared + "/") for a in anchors)
 
 
-def _masks(root: Path, tree: str, policy: PathPolicy, limit: int) -> tuple[list[str] | None, list[str] | None]:
-    """Forbidden files and directories under *tree* (symlinks are left: they resolve
-    through the sandbox's own view, where their targets are judged by their own names)."""
-    files: list[str] = []
-    dirs: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root / tree):
-        rel = os.path.relpath(dirpath, root)
-        keep = []
-        for name in dirnames:
-            path = f"{rel}/{name}"
-            if os.path.islink(os.path.join(dirpath, name)):
-                continue
-            if policy.classify(path, True).scope is Scope.FORBIDDEN:
-                dirs.append(path)
-            else:
-                keep.append(name)
-        dirnames[:] = keep
-        for name in filenames:
-            path = f"{rel}/{name}"
-            if not os.path.islink(os.path.join(dirpath, name)) and (
-                    policy.classify(path, False).scope is Scope.FORBIDDEN):
-                files.append(path)
-        if len(files) + len(dirs) > limit:
-            return None, None
-    return files, dirs
-
-
 class LaneStage:
-    """What bubblewrap binds from: the masks (an empty file and an empty directory, both
-    mode 000) and, for an agent of another user who may not traverse the path to the real
-    workspace, each lane bound read-only into the staging directory first (in the guard's
-    private mount namespace)."""
+    """What bubblewrap binds from: the real directories, or, for an agent of another user who
+    may not traverse the path to the real workspace, each lane bound read-only into the
+    staging directory first (in the guard's private mount namespace)."""
 
     def __init__(self, stage: Path) -> None:
         self.stage = stage
-        self.mask_file, self.mask_dir = stage / "mask-file", stage / "mask-dir"
         self.staged: list[Path] = []
 
     def bwrap_args(self, lanes: Lanes, real: Path, seen_as: str, staged: bool) -> list[str]:
         """bubblewrap arguments: each lane of the real workspace *real* bound read-only at
-        its place under *seen_as*, then the masks over the forbidden paths inside it."""
-        self.mask_file.touch()
-        self.mask_dir.mkdir(exist_ok=True)
-        self.mask_file.chmod(0)
-        self.mask_dir.chmod(0)
+        its place under *seen_as*."""
         argv: list[str] = []
         for i, tree in enumerate(lanes.trees):
             source = real / tree
@@ -207,20 +289,13 @@ class LaneStage:
                 bind_read_only(str(source), str(target))
                 source = target
             argv += ["--ro-bind", str(source), f"{seen_as}/{tree}"]
-        for path in lanes.masked_dirs:
-            argv += ["--ro-bind", str(self.mask_dir), f"{seen_as}/{path}"]
-        for path in lanes.masked_files:
-            argv += ["--ro-bind", str(self.mask_file), f"{seen_as}/{path}"]
         return argv
 
     def cleanup(self) -> None:
-        """Remove the masks and the staged lanes (unmounted first)."""
+        """Remove the staged lanes (unmounted first)."""
         for target in self.staged:
             unbind(str(target))
             with contextlib.suppress(OSError):
                 target.rmdir()
         with contextlib.suppress(OSError):
             (self.stage / "lanes").rmdir()
-        self.mask_file.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            self.mask_dir.rmdir()

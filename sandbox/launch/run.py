@@ -55,7 +55,7 @@ from sandbox.launch.isolation import (
 )
 from sandbox.launch.lanes import LaneStage, plan_lanes
 from sandbox.launch.quarantine import Recorder, console, digest
-from sandbox.launch.runs import live_run_dirs, registered
+from sandbox.launch.runs import claim_run_dir, live_run_dirs, registered, remove_stale_stages, stage_prefix
 from sandbox.launch.supervisor import ProcessTree, Spawner, wait_exit
 from sandbox.session import Session
 
@@ -116,8 +116,8 @@ def run(opts: RunOptions) -> int:
     bwrap = _sandbox_tool(opts)  # a usage error is said before anything about the machine
     check_fuse_available()
     run_dir = opts.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # What the agent's side must reach (the mount, the agent socket, the lanes' masks) lives,
+    claim_run_dir(run_dir)  # mode 000 as root: out of every sandbox's reach (sandbox.launch.runs)
+    # What the agent's side must reach (the mount, the agent socket, the staged lanes) lives,
     # as root, in a staging directory under /tmp that only this guard's private mount
     # namespace sees: a tmpfs mounted over an empty directory. On the host (and in any other
     # run's sandbox) it stays empty; in the sandbox /tmp is a tmpfs of its own, whatever
@@ -173,7 +173,9 @@ def run(opts: RunOptions) -> int:
 def _stage(opts: RunOptions) -> tuple[Path, bool]:
     """The staging directory, and whether the guard has a private mount namespace (made
     here, before trio starts any thread)."""
-    stage = Path(tempfile.mkdtemp(prefix="guardfs-stage-", dir="/tmp")) if os.geteuid() == 0 else opts.run_dir
+    if os.geteuid() == 0:
+        remove_stale_stages()
+    stage = Path(tempfile.mkdtemp(prefix=stage_prefix(), dir="/tmp")) if os.geteuid() == 0 else opts.run_dir
     private = private_mount_namespace()
     if private:
         mount_tmpfs(str(stage), 0o711 if opts.user is not None else 0o700)
@@ -345,10 +347,8 @@ def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: E
         _say(f"fast lane left out: {reason}")
     if not lanes.trees:
         return []
-    masked = len(lanes.masked_files) + len(lanes.masked_dirs)
-    _say(f"fast lanes (read natively, read-only, not seen by the breaker): {', '.join(lanes.trees)}"
-         + (f"; {masked} forbidden path(s) masked inside" if masked else ""))
-    events.emit("lanes", "", "allow", trees=lanes.trees, masked=masked)
+    _say(f"fast lanes (read natively, read-only, not seen by the breaker): {', '.join(lanes.trees)}")
+    events.emit("lanes", "", "allow", trees=lanes.trees)
     return argv
 
 

@@ -1,24 +1,93 @@
-"""Which runs are live on this machine, so that each sandbox can hide the others' directories.
+"""Run directories out of every other sandbox's reach, and the staging directories of dead guards.
 
 A run directory can be anywhere (``--run-dir``); a root agent, whose uid owns every guard's
-files, would read another run's logs, ledger and checkpoints wherever they are. Each root
-guard therefore writes its run directory into :data:`REGISTRY` (root-only) for as long as it
-runs, and each new sandbox covers every live one listed there with an empty tmpfs. A run
-started *after* a sandbox was built is not covered in it: its default places (/root,
-/var/lib/guardfs, /tmp) are, whatever the order.
+files, would read another run's logs, ledger and checkpoints wherever they are. Two layers
+keep it out:
+
+- A root guard makes its run directory mode 000 (:func:`claim_run_dir`). The guard reads and
+  writes it by its capabilities (CAP_DAC_OVERRIDE); a root agent has none (every capability
+  is dropped), and the kernel judges an owner by the owner bits alone, so uid 0 without
+  capabilities can neither list nor enter it, whenever and wherever it was made: a run
+  started *after* a sandbox was built is as closed to that sandbox as one made before. The
+  agent cannot chmod it back: the host is read-only in the sandbox. (Unless the run
+  directory lies under a path that sandbox was given writable, ``[sandbox] writable``: then
+  the root agent, its owner, may chmod it; see SECURITY.md.)
+- Each root guard writes its run directory into :data:`REGISTRY` (root-only) for as long as
+  it runs, and each new sandbox covers every live one listed there with an empty tmpfs, so
+  its entries are not even named there.
+
+A guard killed with SIGKILL cannot remove its staging directory under /tmp (empty on the
+host: its tmpfs lived in the guard's own mount namespace). The name carries the guard's
+PID namespace and pid; the next guard removes those whose guard is gone
+(:func:`remove_stale_stages`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["REGISTRY", "live_run_dirs", "registered"]
+__all__ = ["REGISTRY", "STAGE_PREFIX", "claim_run_dir", "live_run_dirs", "registered", "remove_stale_stages",
+           "stage_prefix"]
+
+log = logging.getLogger(__name__)
 
 #: One file per live root guard, named by its pid, holding its run directory.
 REGISTRY = Path("/run/guardfs/runs")
+#: Staging directories are named STAGE_PREFIX + the guard's pid + "-" + a random tail.
+STAGE_PREFIX = "guardfs-stage-"
+
+
+def claim_run_dir(run_dir: Path) -> None:
+    """Create *run_dir* (a new or empty directory) before anything is written in it; as root,
+    mode 000, so that no root agent of any sandbox, earlier or later, can read it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:
+        os.chmod(run_dir, 0)
+
+
+def _pid_namespace() -> str:
+    return str(os.stat("/proc/self/ns/pid").st_ino)
+
+
+def stage_prefix() -> str:
+    """The name prefix of this guard's staging directory: its PID namespace and pid, for
+    :func:`remove_stale_stages`."""
+    return f"{STAGE_PREFIX}{_pid_namespace()}.{os.getpid()}-"
+
+
+def remove_stale_stages(base: Path = Path("/tmp")) -> list[Path]:
+    """Remove the empty staging directories under *base* whose guard is gone; returns them.
+
+    A live guard's directory also looks empty from here (its tmpfs is in that guard's mount
+    namespace), so the pid in the name decides, never emptiness: a directory whose pid is
+    alive is kept, even if the pid now belongs to another process (kept too long is harmless;
+    removed under a live guard would detach its mounts). rmdir removes only what is empty.
+    """
+    removed: list[Path] = []
+    ours = _pid_namespace()
+    try:
+        entries = list(base.glob(STAGE_PREFIX + "*"))
+    except OSError:
+        return removed
+    for entry in entries:
+        owner, sep, _ = entry.name[len(STAGE_PREFIX):].partition("-")
+        namespace, _, pid = owner.partition(".")
+        # Judged only by a guard that sees the same pids (a /tmp shared with a container is
+        # not); a name without them (mkdtemp's tail has no '-') is not ours to judge either.
+        if not (sep and pid.isdigit()) or namespace != ours or os.path.exists(f"/proc/{pid}") \
+                or entry.is_symlink():
+            continue
+        try:
+            entry.rmdir()
+        except OSError as err:
+            log.warning("stale staging directory %s of guard %s left in place: %s", entry, pid, err.strerror)
+        else:
+            removed.append(entry)
+    return removed
 
 
 @contextlib.contextmanager
