@@ -38,7 +38,7 @@ from guardfs.gate import Gate
 from guardfs.inodes import Entry, InodeTable
 from guardfs.links import forbidden_links
 from guardfs.manifest import Manifest
-from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope, is_git_state
+from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope, is_git_state, read_gitignore
 from guardfs.rename import check_carried, check_config_landing, check_git_update, plan_rename
 from guardfs.sessions import OpenFile, WriteSessions, invalidate_later
 from guardfs.virtual import GuardNode, default_state
@@ -167,7 +167,8 @@ class GuardFS(pyfuse3.Operations):
         super().__init__()
         self.backing = Backing(backing)
         self.policy = policy if policy is not None else PathPolicy(
-            manifest, git_config_existed=self._lstat_or_none(".git/config") is not None)
+            manifest, git_config_existed=self._lstat_or_none(".git/config") is not None,
+            gitignore=read_gitignore(backing) if manifest.paths.generated_from_gitignore else ())
         root = os.stat(self.backing.root_fd)
         self._root_dev = root.st_dev
         # One walk of the workspace, before the mount serves anything: the other names of
@@ -195,7 +196,8 @@ class GuardFS(pyfuse3.Operations):
         self.state_text = state_text or functools.partial(default_state, manifest, self.accounting, events)
         self.guard = GuardNode(self.inodes, self.state_text, cache_timeout)
         self.preimages = None if checkpoint_dir is None else PreImages(
-            self.backing, checkpoint_dir, manifest.sandbox.checkpoint_max_bytes, events.emit)
+            self.backing, checkpoint_dir, manifest.sandbox.checkpoint_max_bytes, events.emit,
+            generated=self.policy.generated)
 
     def close(self) -> None:
         """Close every fd this filesystem holds (after the mount is gone)."""
