@@ -21,8 +21,8 @@ from guardfs.gitguard import GitRole, git_role
 from guardfs.manifest import Manifest
 
 __all__ = [
-    "GENERATED_RULE", "GIT_GUARDED_RULE", "GUARD_DIR", "Classification", "PathPolicy", "Scope", "is_git_state",
-    "read_gitignore",
+    "GENERATED_KEYS", "GENERATED_RULE", "GIT_GUARDED_RULE", "GUARD_DIR", "Classification", "PathPolicy", "Scope",
+    "is_git_state", "read_gitignore",
 ]
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,8 @@ _GIT_STATE_RULE = "built-in: git's index and refs change only by renaming their 
 #: The manifest key of generated output; a refusal under it never trips the breaker.
 GENERATED_RULE = "paths.generated"
 _GITIGNORE_RULE = "paths.generated_from_gitignore"
+#: The manifest keys that make a path generated output: a refusal under one never trips.
+GENERATED_KEYS = frozenset({GENERATED_RULE, _GITIGNORE_RULE})
 
 
 def read_gitignore(workspace: str | os.PathLike[str]) -> list[str]:

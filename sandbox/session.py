@@ -103,6 +103,8 @@ class Session:
             xattrs=xattrs,
             policy=self.policy,
             gitscope=self.gitscope,
+            # Generated output out of scope (caches, bytecode) lands here, never in the workspace.
+            scratch_dir=run_dir / "scratch" if run_dir is not None else None,
         )
         self._daemon: Daemon | None = None
         if self._breaker is not None and run_dir is not None:

@@ -3,9 +3,9 @@
 The tools run for real through ``guard run --ci`` in a repository whose manifest allows only
 ``src/checkout/`` (tests.test_real_tools.Run), under the default limits. Each must exit with
 its own status, trip nothing, count no file of its generated output toward ``max_files``, and
-write nothing outside ``src/checkout/`` on the real workspace (generated output out of scope is
-refused quietly: EROFS, an event, no trip). The policy, the manifest and rollback are checked
-directly below.
+write nothing outside ``src/checkout/`` on the real workspace: generated output out of scope
+lands in the run's scratch layer (guardfs.scratch), which the agent sees and the host does not.
+The policy, the manifest and rollback are checked directly first.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 
-from guardfs.checkpoint import PreImages, last_rollback
 from guardfs.backing import Backing
+from guardfs.checkpoint import PreImages, last_rollback
 from guardfs.errors import ManifestError
 from guardfs.manifest import DEFAULT_GENERATED, parse_manifest
-from guardfs.policy import GENERATED_RULE, PathPolicy, Scope, read_gitignore
+from guardfs.policy import PathPolicy, Scope, read_gitignore
 
 from .helpers import require
 from .test_real_tools import Run
@@ -162,10 +162,10 @@ class Tools(Run):
         files: dict[str, Any] = json.loads((self.run_dir / "ledger.json").read_text())["files"]
         return files
 
-    def generated_refusals(self) -> list[dict[str, Any]]:
-        """The quiet refusals of generated output out of scope, from the event log."""
+    def denials(self) -> list[dict[str, Any]]:
+        """Every refusal the mount recorded, from the event log."""
         events = [json.loads(line) for line in (self.run_dir / "events.jsonl").read_text().splitlines()]
-        return [e for e in events if e.get("decision") == "deny" and e.get("rule") == GENERATED_RULE]
+        return [e for e in events if e.get("decision") == "deny"]
 
     def check(self, result: subprocess.CompletedProcess[str], status: int) -> None:
         """The tool's own status, no trip, nothing outside the scope changed."""
@@ -181,27 +181,34 @@ class Tools(Run):
 def test_pytest_with_its_cache_from_the_repository_root(tmp_path: Path) -> None:
     run = Tools(tmp_path)
     py = sys.executable
-    result = run(f"{py} -m pytest -q src/checkout && {py} -m pytest -q src/checkout"
-                 "; echo STATUS=$?; exit 0")
+    # The second run reads the cache the first wrote (--lf), and the agent sees it listed.
+    result = run(f"{py} -m pytest -q src/checkout && ls -a && cat .pytest_cache/v/cache/nodeids && "
+                 f"{py} -m pytest -q --lf src/checkout; echo STATUS=$?")
     run.check(result, 0)
-    assert run.log().count("1 passed") == 2
-    assert not (run.ws / ".pytest_cache").exists()
-    assert list((run.ws / "src/checkout/__pycache__").glob("*.pyc"))  # in scope: landed
+    log = run.log()
+    assert log.count("1 passed") == 2 and "PytestCacheWarning" not in log, log[-3000:]
+    assert ".pytest_cache\n" in log and '"src/checkout/test_tax.py::test_total"' in log
+    assert not (run.ws / ".pytest_cache").exists() and not list(run.ws.glob("pytest-cache-files-*"))
+    assert list((run.ws / "src/checkout/__pycache__").glob("*.pyc"))  # in scope: landed in the workspace
     assert run.counted()["distinct"] == 0
-    assert any(e["path"].startswith("pytest-cache-files-") for e in run.generated_refusals())
+    assert run.denials() == []
 
 
 @pytest.mark.root
 @pytest.mark.mount
 def test_importing_an_out_of_scope_module(tmp_path: Path) -> None:
     run = Tools(tmp_path)
-    result = run("PYTHONPATH=lib /usr/bin/python3 -c 'import helper; print(\"VALUE\", helper.VALUE)'; "
-                 "echo STATUS=$?")
+    # The second import loads the bytecode the first wrote (python -v says where from).
+    script = "PYTHONPATH=lib /usr/bin/python3 -c 'import helper; print(\"VALUE\", helper.VALUE)'"
+    result = run(f"{script} && ls lib/__pycache__ && {script.replace('-c', '-v -c')} 2>&1 | grep 'helper'"
+                 "; echo STATUS=$?")
     run.check(result, 0)
-    assert "VALUE 42" in run.log()
+    log = run.log()
+    assert "VALUE 42" in log and "helper.cpython-311.pyc\nold.cpython-311.pyc" in log, log[-3000:]
+    assert "matches" in log and "lib/__pycache__/helper.cpython-311.pyc" in log, log[-3000:]
     assert sorted(p.name for p in (run.ws / "lib/__pycache__").iterdir()) == ["old.cpython-311.pyc"]
     assert run.counted()["distinct"] == 0
-    assert any(e["path"].startswith("lib/__pycache__/helper.") for e in run.generated_refusals())
+    assert run.denials() == []
 
 
 @pytest.mark.root
