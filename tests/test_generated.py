@@ -146,9 +146,11 @@ class Tools(Run):
         super().__init__(tmp_path)
         (self.ws / "lib").mkdir()
         (self.ws / "lib/helper.py").write_text("VALUE = 42\n")
-        # A stale cache beside the out-of-scope module: it must stay as it was.
+        # A stale cache beside the out-of-scope module (one of it for that very module): it
+        # must stay as it was on the host.
         (self.ws / "lib/__pycache__").mkdir()
         (self.ws / "lib/__pycache__/old.cpython-311.pyc").write_bytes(b"stale")
+        (self.ws / "lib/__pycache__/helper.cpython-311.pyc").write_bytes(b"stale")
         self.before: dict[str, tuple[int, int, str]] = {}
         # Bytecode is what this file is about: write it, whatever the caller's environment says.
         self.env.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -206,9 +208,35 @@ def test_importing_an_out_of_scope_module(tmp_path: Path) -> None:
     log = run.log()
     assert "VALUE 42" in log and "helper.cpython-311.pyc\nold.cpython-311.pyc" in log, log[-3000:]
     assert "matches" in log and "lib/__pycache__/helper.cpython-311.pyc" in log, log[-3000:]
-    assert sorted(p.name for p in (run.ws / "lib/__pycache__").iterdir()) == ["old.cpython-311.pyc"]
+    # On the host: the stale files, untouched.
+    assert {p.name: p.read_bytes() for p in (run.ws / "lib/__pycache__").iterdir()} == {
+        "helper.cpython-311.pyc": b"stale", "old.cpython-311.pyc": b"stale"}
     assert run.counted()["distinct"] == 0
     assert run.denials() == []
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_the_scratch_layer_s_edges(tmp_path: Path) -> None:
+    """Generated output already in the workspace is read-only (refused quietly); moving out of
+    the scratch layer is EXDEV, so mv copies; removing a scratch tree makes it go away."""
+    run = Tools(tmp_path)
+    result = run("echo junk > lib/__pycache__/old.cpython-311.pyc; echo WRITE=$?; "
+                 "rm lib/__pycache__/old.cpython-311.pyc; echo RM=$?; "
+                 "mkdir -p .mypy_cache/x && echo data > .mypy_cache/x/f && mv .mypy_cache/x/f src/checkout/f; "
+                 "echo MV=$?; cat src/checkout/f; ls -A .mypy_cache/x; echo LISTED; "
+                 "rm -r .mypy_cache; echo RMTREE=$?; ls -A; echo STATUS=0")
+    run.check(result, 0)
+    log = run.log()
+    for line in ("WRITE=2", "RM=1", "MV=0\ndata\nLISTED", "RMTREE=0",  # dash exits 2 when a redirection fails
+                 "cannot create lib/__pycache__/old.cpython-311.pyc: Read-only file system"):
+        assert line in log, log[-3000:]
+    assert ".mypy_cache" not in log.split("RMTREE=0")[1]
+    assert (run.ws / "src/checkout/f").read_text() == "data\n"
+    assert set(run.counted()["list"]) == {"src/checkout/f"}
+    denied = {(e["op"], e["rule"], e["errno"]) for e in run.denials()}
+    assert denied == {("open", "paths.generated", "EROFS"), ("unlink", "paths.generated", "EROFS"),
+                      ("rename", "paths.generated", "EXDEV")}, run.denials()
 
 
 @pytest.mark.root
