@@ -10,6 +10,7 @@ The policy, the manifest and rollback are checked directly first.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -27,6 +28,7 @@ from guardfs.manifest import DEFAULT_GENERATED, parse_manifest
 from guardfs.policy import PathPolicy, Scope, read_gitignore
 
 from .helpers import require
+from .mounts import Guarded, guarded_mount
 from .test_real_tools import Run
 
 TOML = '[task]\nid = "t"\ngoal = "g"\n[paths]\nallowed = ["src/checkout/"]\nforbidden = [".env*"]\n'
@@ -116,6 +118,31 @@ def test_rollback_says_generated_output_is_not_restored(tmp_path: Path) -> None:
     assert (ws / "src/checkout/.venv/bin/python").exists()  # left as it is
     done = last_rollback(store)
     assert done is not None and done.generated == ["src/checkout/.venv"]
+
+
+@pytest.mark.mount
+def test_without_a_run_directory_generated_output_out_of_scope_is_refused_quietly(tmp_path: Path) -> None:
+    """``guard mount`` without a run directory has no scratch layer: EROFS and an event; in
+    scope the output lands, uncounted, under limits of one file and one rewrite."""
+    with guarded_mount(tmp_path, TOML + "[limits]\nmax_files = 1\nmax_rewrites = 1\n") as guarded:
+        _refused_quietly(guarded)
+
+
+def _refused_quietly(guarded: Guarded) -> None:
+    with pytest.raises(OSError) as err:
+        (guarded.mnt / ".pytest_cache").mkdir()
+    assert err.value.errno == errno.EROFS
+    assert not (guarded.backing / ".pytest_cache").exists()
+    (guarded.mnt / "src/checkout/__pycache__").mkdir(parents=True)
+    (guarded.mnt / "src/checkout/__pycache__/tax.cpython-311.pyc").write_bytes(b"code")
+    (guarded.mnt / "src/checkout/__pycache__/cart.cpython-311.pyc").write_bytes(b"code")  # past max_files
+    for _ in range(3):  # past max_rewrites: never counted, never refused
+        (guarded.mnt / "src/checkout/__pycache__/tax.cpython-311.pyc").write_bytes(b"more code")
+    assert (guarded.backing / "src/checkout/__pycache__/tax.cpython-311.pyc").read_bytes() == b"more code"
+    assert guarded.session.accounting.distinct == 0
+    events = [json.loads(line) for line in guarded.events_path.read_text().splitlines()]
+    assert [(e["op"], e["path"], e["rule"]) for e in events if e.get("decision") == "deny"] == [
+        ("mkdir", ".pytest_cache", "paths.generated")]
 
 
 # ----- real tools under guard run --ci ----------------------------------------------------------
