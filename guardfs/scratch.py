@@ -53,11 +53,11 @@ class ScratchBacking(Backing):
     scope; see the module's docstring."""
 
     def __init__(self, root: str, scratch_dir: Path) -> None:
-        super().__init__(root)
         # A previous run's, left by a guard killed before its close: nothing of it is shown.
         # mkdir then fails on anything still there (a symlink is never removed nor followed).
         shutil.rmtree(scratch_dir, ignore_errors=True)
         scratch_dir.mkdir(mode=0o700, parents=True)
+        super().__init__(root)
         self.scratch_dir = scratch_dir
         self.scratch = Backing(os.fspath(scratch_dir))
         self._dev = os.stat(self.root_fd).st_dev
