@@ -64,7 +64,9 @@ _INDEX = "index.jsonl"
 _MAX_LABELS = 64
 _MAX_LABEL_CHARS = 200
 _BLOB_NAME = re.compile(r"[0-9]{8}")
-_KINDS = frozenset({"absent", "dir", "symlink", "fifo", "file", "unrestorable"})
+_KINDS = frozenset({"absent", "dir", "symlink", "fifo", "file", "unrestorable", "generated"})
+#: Whether a path (a directory when the flag says so) is generated output (paths.generated).
+Generated = Callable[[str, bool], bool]
 _FIELDS = frozenset({"path", "kind", "mode", "target", "size", "blob"})
 
 
@@ -118,6 +120,9 @@ class Rollback:
 
     restored: list[str] = field(default_factory=list)
     not_restorable: list[str] = field(default_factory=list)
+    #: Generated output written since the restore point (its top-most generated directory,
+    #: or the file): never kept, so left as it is (``[paths] generated``).
+    generated: list[str] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -137,12 +142,14 @@ class PreImages:
     """The pre-images of one run, stored in *store* (a directory of the run dir).
 
     *max_bytes* bounds the file data kept per generation; *emit* (an event log's emit)
-    hears of each file recorded as not restorable.
+    hears of each file recorded as not restorable. Paths *generated* says are generated
+    output are not kept: their top-most generated directory is recorded once, as left as
+    it is by a rollback.
     """
 
     def __init__(
         self, backing: Backing, store: Path, max_bytes: int = CHECKPOINT_MAX_BYTES,
-        emit: Emit | None = None,
+        emit: Emit | None = None, generated: Generated | None = None,
     ) -> None:
         self.backing = backing
         self.store = store
@@ -152,6 +159,8 @@ class PreImages:
         self.recorded: set[str] = set()  # recorded, or with a copy still pending
         self.last_rollback: Rollback | None = None
         self._emit = emit
+        self._generated = generated
+        self._generated_roots: set[str] = set()  # recorded as generated since the checkpoint
         self._pending: dict[str, _Copy] = {}
         self._blobs = 0
         self._used_by: dict[int, int] = {0: 0}  # bytes kept per generation
@@ -213,12 +222,31 @@ class PreImages:
         of :meth:`before_tree` use :meth:`keep`)."""
         if path in self.recorded or path == "":
             return
+        if self._generated is not None and (root := self._generated_root(path)) is not None:
+            if root not in self._generated_roots:
+                self._generated_roots.add(root)
+                self.recorded.add(root)
+                self._write({"path": root, "kind": "generated"})
+            return
         self.recorded.add(path)
         try:
             self._record(path)
         except BaseException:
             self.recorded.discard(path)  # not recorded: the next change tries again
             raise
+
+    def _generated_root(self, path: str) -> str | None:
+        """The top-most generated directory holding *path* (or *path* itself), or None when
+        *path* is no generated output."""
+        parts = path.split("/")
+        prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        for prefix in prefixes:
+            if prefix in self._generated_roots:
+                return prefix  # the common case in a tree being installed: one set lookup per level
+        assert self._generated is not None
+        if not (self._generated(path, False) or self._generated(path, True)):
+            return None
+        return next((p for p in prefixes[:-1] if self._generated(p, True)), path)
 
     def _record(self, path: str) -> None:
         try:
@@ -319,6 +347,7 @@ class PreImages:
             self._pending = {}
             self.generation += 1
             self.recorded.clear()
+            self._generated_roots.clear()
             self._used_by[self.generation] = 0
             self._open_generation()
         self._label(label)
@@ -341,12 +370,16 @@ class PreImages:
             for path in result.not_restorable:
                 self._emit("rollback", path, "allow", restored=False, rule="sandbox.checkpoint_max_bytes",
                            reason=f"{path} was not restored: its pre-image passed checkpoint_max_bytes")
+            for path in result.generated:
+                self._emit("rollback", path, "allow", restored=False, rule="paths.generated",
+                           reason=f"{path} is generated output: never kept, so not restored")
         self._index.close()
         self._index = None
         self._pending = {}
         _forget_after(self.store, self.generation, target)
         self.generation = target
         self.recorded.clear()
+        self._generated_roots.clear()
         self._used_by = {g: n for g, n in self._used_by.items() if g < target}
         self._used_by[target] = 0
         self._labels = {g: n for g, n in self._labels.items() if g <= target}
@@ -552,14 +585,16 @@ def _restore_to(
     records = {g: _records(store / f"{g:04d}") for g in range(current, target - 1, -1)}
     restored: list[str] = []
     not_restorable: set[str] = set()
+    generated: set[str] = set()
     for g, recs in records.items():  # newest first
         done = _restore(backing, store / f"{g:04d}", recs, on_changed)
+        generated |= set(done.generated)
         not_restorable -= set(done.restored)  # an older point had its bytes
         not_restorable |= set(done.not_restorable)
         restored += [p for p in done.restored if p not in restored]
-    result = Rollback([p for p in restored if p not in not_restorable], sorted(not_restorable))
-    _write_private(store / _LAST_ROLLBACK,
-                   json.dumps({"restored": result.restored, "not_restorable": result.not_restorable}) + "\n")
+    result = Rollback([p for p in restored if p not in not_restorable], sorted(not_restorable), sorted(generated))
+    _write_private(store / _LAST_ROLLBACK, json.dumps(
+        {"restored": result.restored, "not_restorable": result.not_restorable, "generated": result.generated}) + "\n")
     return result
 
 
@@ -616,9 +651,11 @@ def _restore(
 ) -> Rollback:
     """Restore one generation's *validated* records (read from *generation_dir*)."""
     everything = _at_checkpoint(validated)
-    # A file whose pre-image passed the cap stays as it is, in both passes.
-    records = [r for r in everything if r["kind"] != "unrestorable"]
+    # A file whose pre-image passed the cap stays as it is, in both passes; so does
+    # generated output, of which nothing was kept.
+    records = [r for r in everything if r["kind"] not in ("unrestorable", "generated")]
     not_restorable = sorted({r["path"] for r in everything if r["kind"] == "unrestorable"})
+    generated = sorted({r["path"] for r in everything if r["kind"] == "generated"})
     # Deepest first: take away what did not exist; then shallowest first: put back the rest.
     for rec in sorted(records, key=lambda r: -r["path"].count("/")):
         try:
@@ -658,7 +695,7 @@ def _restore(
     if on_changed is not None:
         for path in changed:
             on_changed(path)
-    return Rollback(changed, not_restorable)
+    return Rollback(changed, not_restorable, generated)
 
 
 def last_rollback(store: Path) -> Rollback | None:
@@ -667,7 +704,7 @@ def last_rollback(store: Path) -> Rollback | None:
         data = json.loads((store / _LAST_ROLLBACK).read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
-    return Rollback(list(data["restored"]), list(data["not_restorable"]))
+    return Rollback(list(data["restored"]), list(data["not_restorable"]), list(data.get("generated", [])))
 
 
 def _current(store: Path) -> int:

@@ -86,7 +86,7 @@ def _deny(where: Classification, err: int, reason: str) -> Verdict:
     return Verdict(False, where.key, where.pattern, err, reason)
 
 
-_WRITABLE = frozenset({Scope.ALLOWED, Scope.GIT_INTERNAL})
+_WRITABLE = frozenset({Scope.ALLOWED, Scope.GIT_INTERNAL, Scope.GENERATED})
 # A repository's .git and hooks directories may be made (git init) and removed when empty:
 # what git would run can then only come from names that are policed themselves.
 _ANCHOR_OPS = frozenset({"mkdir", "rmdir", "chmod", "chown", "utimes"})
@@ -124,6 +124,14 @@ def policy_verdict(request: Request) -> Verdict:
         if where.scope is Scope.OUT_OF_SCOPE:
             return _deny(
                 where, ERRNO_READ_ONLY, f"{path} is outside the task's scope ({where.describe()})"
+            )
+    # Last: a refusal that trips nothing must never hide one that does at the other end.
+    for path, where in checks:
+        if where.scope is Scope.GENERATED_OUTSIDE:
+            return _deny(
+                where, ERRNO_READ_ONLY,
+                f"{path} is generated output ({where.describe()}) outside the task's scope: it is not "
+                "written to the workspace (no trip); point the tool's cache or output inside paths.allowed",
             )
     return ALLOW
 

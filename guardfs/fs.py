@@ -39,8 +39,9 @@ from guardfs.inodes import Entry, InodeTable
 from guardfs.intent import lookup_intent
 from guardfs.links import forbidden_links
 from guardfs.manifest import Manifest
-from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope, is_git_state
+from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope, is_git_state, read_gitignore
 from guardfs.rename import check_carried, check_config_landing, check_git_update, plan_rename
+from guardfs.scratch import ScratchBacking
 from guardfs.sessions import OpenFile, WriteSessions, invalidate_later
 from guardfs.virtual import GuardNode, default_state
 
@@ -147,6 +148,7 @@ class GuardFS(pyfuse3.Operations):
         xattrs: bool = False,
         policy: PathPolicy | None = None,
         gitscope: GitScope | None = None,
+        scratch_dir: Path | None = None,
     ) -> None:
         """Serve *backing* under *manifest*; *state_text* renders ``.guard/STATE.md``;
         with *gitscope*, renames onto git's index and refs are judged for what they change;
@@ -155,11 +157,15 @@ class GuardFS(pyfuse3.Operations):
         with *checkpoint_dir*, pre-images are kept there for rollback. Without *xattrs*
         the mount has no extended attributes: the first call answers ENOSYS and the kernel
         never asks again (it skips the security.capability lookup it sends before every
-        write), and applications get EOPNOTSUPP, as on a filesystem without them."""
+        write), and applications get EOPNOTSUPP, as on a filesystem without them. With
+        *scratch_dir*, generated output out of scope lands there (guardfs.scratch); without
+        it, it is refused quietly."""
         super().__init__()
-        self.backing = Backing(backing)
+        self._scratch = None if scratch_dir is None else ScratchBacking(backing, scratch_dir)
+        self.backing: Backing = self._scratch if self._scratch is not None else Backing(backing)
         self.policy = policy if policy is not None else PathPolicy(
-            manifest, git_config_existed=self._lstat_or_none(".git/config") is not None)
+            manifest, git_config_existed=self._lstat_or_none(".git/config") is not None,
+            gitignore=read_gitignore(backing) if manifest.paths.generated_from_gitignore else ())
         root = os.stat(self.backing.root_fd)
         self._root_dev = root.st_dev
         # One walk of the workspace, before the mount serves anything: the other names of
@@ -171,7 +177,7 @@ class GuardFS(pyfuse3.Operations):
         self.limits = manifest.limits
         self.timeout = cache_timeout
         self.xattrs = xattrs
-        self.gate = Gate(self.policy, self.accounting, self.decider, events, manifest.limits)
+        self.gate = Gate(self.policy, self.accounting, self.decider, events, manifest.limits, self._scratch)
         self.sessions = WriteSessions(self.gate, self.backing, manifest.limits)
         self.gitscope = gitscope
         self._files: dict[int, OpenFile] = {}
@@ -187,7 +193,8 @@ class GuardFS(pyfuse3.Operations):
         self.state_text = state_text or functools.partial(default_state, manifest, self.accounting, events)
         self.guard = GuardNode(self.inodes, self.state_text, cache_timeout)
         self.preimages = None if checkpoint_dir is None else PreImages(
-            self.backing, checkpoint_dir, manifest.sandbox.checkpoint_max_bytes, events.emit)
+            self.backing, checkpoint_dir, manifest.sandbox.checkpoint_max_bytes, events.emit,
+            generated=self.policy.generated)
 
     def close(self) -> None:
         """Close every fd this filesystem holds (after the mount is gone)."""
@@ -231,7 +238,7 @@ class GuardFS(pyfuse3.Operations):
     def _stat(self, entry: Entry) -> os.stat_result:
         """Current attributes of *entry*, refusing a path that now names another inode."""
         for fd in entry.handles:
-            return os.fstat(fd)
+            return self._fstat(fd, entry.path)
         st = self.backing.lstat(entry.path)
         if st.st_ino != entry.backing_ino:
             raise FUSEError(errno.ENOENT)  # unlinked; the name is another file's now
@@ -250,6 +257,16 @@ class GuardFS(pyfuse3.Operations):
             return self.policy.classify(path, is_dir)
         return self.policy.settled(self.inodes.classify(st.st_ino, stat.S_ISDIR(st.st_mode), path),
                                    st.st_ctime_ns)
+
+    def _fstat(self, fd: int, path: str) -> os.stat_result:
+        """fstat of *fd*, open on *path*, as the mount shows it (a scratch inode offset)."""
+        return os.fstat(fd) if self._scratch is None else self._scratch.fstat(fd, path)
+
+    def _stat_at(self, dir_fd: int, name: str, path: str) -> os.stat_result:
+        """lstat of *name* in *dir_fd*, the parent of *path*, as the mount shows it."""
+        if self._scratch is None:
+            return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return self._scratch.stat_at(dir_fd, name, path)
 
     def _lstat_or_none(self, path: str) -> os.stat_result | None:
         try:
@@ -329,7 +346,7 @@ class GuardFS(pyfuse3.Operations):
             _apply_mode(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode, mode,
                         lambda m: os.chmod(name, m, dir_fd=dir_fd))
         self._chown_new(name, dir_fd, ctx)
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        st = self._stat_at(dir_fd, name, path)
         entry = self.inodes.remember(st.st_ino, st.st_mode, path, where)
         self.gate.done(request)
         return self._attr(st, entry.ino)
@@ -503,7 +520,7 @@ class GuardFS(pyfuse3.Operations):
         src_dir, src_name = self.backing.parent(entry.path)
         dst_dir, dst_name = self.backing.parent(path)
         os.link(src_name, dst_name, src_dir_fd=src_dir, dst_dir_fd=dst_dir, follow_symlinks=False)
-        st = os.stat(dst_name, dir_fd=dst_dir, follow_symlinks=False)
+        st = self._stat_at(dst_dir, dst_name, path)
         entry = self.inodes.remember(st.st_ino, st.st_mode, path, target_where)
         self.gate.done(request)
         return self._attr(st, entry.ino)
@@ -524,6 +541,8 @@ class GuardFS(pyfuse3.Operations):
         await self._pre(path)
         dir_fd, n = self.backing.parent(path)
         os.unlink(n, dir_fd=dir_fd)
+        if self._scratch is not None:
+            self._scratch.removed(path)
         self._unnamed(st, path)
         self.gate.done(request)
 
@@ -545,6 +564,8 @@ class GuardFS(pyfuse3.Operations):
         await self._pre(path)
         dir_fd, n = self.backing.parent(path)
         os.rmdir(n, dir_fd=dir_fd)
+        if self._scratch is not None:
+            self._scratch.removed(path)
         self.backing.forget_dirs()
         self.gate.done(request)
 
@@ -593,6 +614,8 @@ class GuardFS(pyfuse3.Operations):
             _renameat2(old_dir, old_name, new_dir, new_name, flags)
         else:
             os.rename(old_name, new_name, src_dir_fd=old_dir, dst_dir_fd=new_dir)
+        if self._scratch is not None:
+            self._scratch.renamed(src, dst, exchange)
         self._renamed(src, src_st, dst, dst_st, exchange)
         if src_dir or dst_dir:
             self.backing.forget_dirs()
@@ -640,7 +663,7 @@ class GuardFS(pyfuse3.Operations):
         if writable:
             await self._pre(entry.path)
         fd = self.sessions.open_fd(entry.path, flags & ~_STRIP_FLAGS, session)
-        if os.fstat(fd).st_ino != entry.backing_ino:
+        if self._fstat(fd, entry.path).st_ino != entry.backing_ino:
             os.close(fd)
             raise FUSEError(errno.ESTALE)
         self._files[fd] = OpenFile(fd, entry, writable, session, truncating, truncating and counted, times)
@@ -662,7 +685,7 @@ class GuardFS(pyfuse3.Operations):
         await self._pre(path)
         fd = self._create_fd(path, flags, mode, where.scope.counted, ctx)
         try:
-            st = os.fstat(fd)
+            st = self._fstat(fd, path)
         except OSError:
             os.close(fd)
             raise
@@ -778,20 +801,34 @@ class GuardFS(pyfuse3.Operations):
         # The virtual .guard/ is reachable by name but not listed, so that `git add -A`,
         # tar and rsync never pick up the guard's own state; a real .guard is shadowed.
         root = d.entry.ino == pyfuse3.ROOT_INODE
+        scratch = self._scratch
+        in_scratch = scratch is not None and scratch.in_scratch(base)
+        # Scratch roots in a workspace directory hide its names and are listed in their place.
+        shadow = set(scratch.roots_in(base)) if scratch is not None and not in_scratch else set()
         with os.scandir(d.fd) as it:
             for de in it:
-                if root and de.name == GUARD_DIR:
+                if (root and de.name == GUARD_DIR) or de.name in shadow:
                     continue
                 try:
                     st = de.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
+                if in_scratch:
+                    assert scratch is not None
+                    st = scratch.fixed(st)
                 if st.st_dev != self._root_dev:
                     continue
                 path = _join(base, de.name)
                 where = self.inodes.classify(st.st_ino, stat.S_ISDIR(st.st_mode), path)
                 if where.scope is not Scope.FORBIDDEN:
                     out.append((de.name, st, where))
+        for name in sorted(shadow):
+            path = _join(base, name)
+            try:
+                st = self.backing.lstat(path)
+            except FileNotFoundError:
+                continue
+            out.append((name, st, self.inodes.classify(st.st_ino, stat.S_ISDIR(st.st_mode), path)))
         return out
 
     @_fuse_errors

@@ -13,7 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from pyfuse3 import FUSEError
 
@@ -21,7 +21,10 @@ from guardfs.accounting import RewritePlan, WriteAccounting
 from guardfs.decision import Decider, Request, Verdict, policy_verdict
 from guardfs.events import EventLog
 from guardfs.manifest import Limits
-from guardfs.policy import GUARD_DIR, Classification, PathPolicy
+from guardfs.policy import GENERATED_KEYS, GUARD_DIR, Classification, PathPolicy
+
+if TYPE_CHECKING:
+    from guardfs.scratch import ScratchBacking
 
 __all__ = ["Commit", "Gate", "is_guard_path"]
 
@@ -63,8 +66,12 @@ class Gate:
         decider: Decider,
         events: EventLog,
         limits: Limits,
+        scratch: ScratchBacking | None = None,
     ) -> None:
         self.policy = policy
+        # Generated output out of scope goes to the run's scratch layer when there is one;
+        # without it, the policy's quiet refusal stands.
+        self.scratch = scratch
         self.accounting = accounting
         self.decider = decider
         self.events = events
@@ -80,6 +87,8 @@ class Gate:
     def check(self, request: Request) -> None:
         """Judge *request*; on denial record the event and raise its errno."""
         policy = policy_verdict(request)
+        if not policy.allow and policy.rule in GENERATED_KEYS and self.scratch is not None:
+            policy = self.scratch.admit(request, policy)
         verdict = self.decider.decide(request, policy)
         if not policy.allow and verdict.allow:
             verdict = policy  # a decider may tighten the policy, never loosen it

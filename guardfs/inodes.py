@@ -29,8 +29,11 @@ _STRICTNESS = {
     Scope.GIT_ANCHOR: 3,
     Scope.GIT_GUARDED: 4,
     Scope.OUT_OF_SCOPE: 5,
-    Scope.GIT_INTERNAL: 6,
-    Scope.ALLOWED: 7,
+    Scope.GENERATED_OUTSIDE: 6,
+    Scope.GIT_INTERNAL: 7,
+    # Counted before uncounted: a file linked into generated output still counts as source.
+    Scope.ALLOWED: 8,
+    Scope.GENERATED: 9,
 }
 
 

@@ -29,7 +29,8 @@ from guardfs.errors import ManifestError
 from guardfs.rules import RULES, Rule, default_recoverable
 
 __all__ = [
-    "RULES", "BreakerSettings", "Limits", "Manifest", "Paths", "Record", "Rule", "Task", "load_manifest",
+    "DEFAULT_GENERATED", "RULES", "BreakerSettings", "Limits", "Manifest", "Paths", "Record", "Rule", "Task",
+    "load_manifest",
     "parse_manifest",
 ]
 
@@ -72,8 +73,34 @@ def _check_not_broad(pattern: str) -> str:
     return pattern
 
 
+def _check_generated_not_broad(pattern: str) -> str:
+    spec = pathspec.GitIgnoreSpec.from_lines([pattern])
+    if not pattern.startswith("!") and any(spec.match_file(p) for p in _BROAD_PROBES):
+        raise ValueError(
+            f"{pattern!r} is over-broad: it would make nearly every file generated output, which no "
+            "limit counts and no rollback restores; name the cache or build directories instead"
+        )
+    return pattern
+
+
 Pattern = Annotated[str, AfterValidator(_check_pattern)]
 ForbiddenPattern = Annotated[str, AfterValidator(_check_pattern), AfterValidator(_check_not_broad)]
+GeneratedPattern = Annotated[str, AfterValidator(_check_pattern), AfterValidator(_check_generated_not_broad)]
+
+#: The caches and build outputs of common tooling, the default of ``[paths] generated``
+#: (the README lists them by ecosystem). Go keeps its build and module caches outside the
+#: workspace (GOCACHE, GOMODCACHE under $HOME), so it adds nothing here.
+DEFAULT_GENERATED: tuple[str, ...] = (
+    # Python: bytecode, tool caches, test and coverage output, environments, packaging output
+    "__pycache__/", "*.py[co]", ".pytest_cache/", "pytest-cache-files-*/", ".mypy_cache/", ".dmypy.json",
+    ".ruff_cache/", ".hypothesis/", ".benchmarks/", ".coverage", ".coverage.*", "htmlcov/", ".tox/",
+    ".nox/", ".venv/", ".eggs/", "*.egg-info/", ".pytype/", ".pyre/",
+    # Node: installed packages and tool caches
+    "node_modules/", ".npm/", ".eslintcache", ".parcel-cache/", ".next/", ".nuxt/", ".turbo/",
+    "*.tsbuildinfo",
+    # Rust (cargo) and Java (Maven: target/; Gradle: build/, .gradle/); build/ and dist/ of any tool
+    "target/", ".gradle/", "*.class", "build/", "dist/",
+)
 
 
 def _unlimited(value: object) -> object:
@@ -109,8 +136,8 @@ class Paths(_Strict):
     Patterns are gitignore-style (pathspec ``GitIgnoreSpec``), relative to the workspace
     root; a leading '/' anchors a pattern to the root, a trailing '/' matches a directory
     and everything below it. Precedence: the guard's built-in protections first, then
-    ``forbidden``, then ``allowed``; a path matched by neither is out of scope (readable,
-    not writable).
+    ``forbidden``, then ``generated``, then ``allowed``; a path matched by none is out of
+    scope (readable, not writable).
     """
 
     allowed: list[Pattern] = Field(
@@ -122,6 +149,25 @@ class Paths(_Strict):
         description=(
             "Paths that can be neither read nor written; wins over 'allowed'. "
             "Over-broad patterns such as '*' or '**' are refused."
+        ),
+    )
+    generated: list[GeneratedPattern] = Field(
+        default_factory=lambda: list(DEFAULT_GENERATED),
+        description=(
+            "Caches and build output that tools write (bytecode, test and type-checker caches, "
+            "installed packages, build directories). Writes there never count toward max_files or "
+            "max_rewrites, are not kept for rollback, and never trip the breaker. Inside 'allowed' "
+            "they land in the workspace; outside it they are refused (EROFS) quietly: an event, no "
+            "trip, and nothing reaches the workspace. 'forbidden' and the built-in protections win "
+            "over it. Setting it replaces the default list (see the README); [] turns it off."
+        ),
+    )
+    generated_from_gitignore: bool = Field(
+        default=False,
+        description=(
+            "Also treat what the repository's own root .gitignore ignores as generated, as it "
+            "reads when the guard starts (later edits of .gitignore change nothing). 'forbidden' "
+            "still wins."
         ),
     )
     git_internals: Literal["writable", "read-only"] = Field(

@@ -8,7 +8,11 @@ inode entry (``Entry.where``); the hot path then only reads ``entry.where.scope`
 from __future__ import annotations
 
 import enum
+import errno
+import logging
+import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pathspec
@@ -16,7 +20,12 @@ import pathspec
 from guardfs.gitguard import GitRole, git_role
 from guardfs.manifest import Manifest
 
-__all__ = ["GIT_GUARDED_RULE", "GUARD_DIR", "Classification", "PathPolicy", "Scope", "is_git_state"]
+__all__ = [
+    "GENERATED_KEYS", "GENERATED_RULE", "GIT_GUARDED_RULE", "GUARD_DIR", "Classification", "PathPolicy", "Scope",
+    "is_git_state", "read_gitignore",
+]
+
+log = logging.getLogger(__name__)
 
 #: The guard's own directory at the workspace root; never writable by the agent.
 GUARD_DIR = ".guard"
@@ -29,6 +38,40 @@ _REDIRECT_RULE = "built-in: git files that point git elsewhere are read-only"
 #: The rule of a repository's config made during the run: git may write it, checked.
 GIT_GUARDED_RULE = "built-in: a git config that runs programs"
 _GIT_STATE_RULE = "built-in: git's index and refs change only by renaming their lock files over them"
+#: The manifest key of generated output; a refusal under it never trips the breaker.
+GENERATED_RULE = "paths.generated"
+_GITIGNORE_RULE = "paths.generated_from_gitignore"
+#: The manifest keys that make a path generated output: a refusal under one never trips.
+GENERATED_KEYS = frozenset({GENERATED_RULE, _GITIGNORE_RULE})
+
+
+def read_gitignore(workspace: str | os.PathLike[str]) -> list[str]:
+    """The patterns of *workspace*'s root ``.gitignore`` (none when there is none, or when it
+    is a symlink: it could name a forbidden file); lines pathspec cannot compile are left
+    out, as git leaves them out, with a warning that gives their number, not their text."""
+    try:
+        fd = os.open(os.path.join(workspace, ".gitignore"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            log.warning(".gitignore is a symlink: not read for paths.generated_from_gitignore")
+            return []
+        raise
+    with open(fd, encoding="utf-8", errors="surrogateescape") as f:
+        lines = f.read().splitlines()
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        try:
+            pathspec.GitIgnoreSpec.from_lines([line])
+        except Exception as err:  # pathspec raises several types for a bad pattern
+            log.warning(".gitignore line %d is not a pattern pathspec reads (%s): not treated as generated",
+                        number, type(err).__name__)
+            continue
+        out.append(line)
+    return out
 
 
 def is_git_state(path: str) -> bool:
@@ -48,7 +91,9 @@ class Scope(enum.Enum):
     GIT_GUARDED = "git-guarded"  # a config made during the run: replaced only by a checked rename
     GIT_INTERNAL = "git-internal"  # writable, never counted toward limits
     ALLOWED = "allowed"  # writable, counted
+    GENERATED = "generated"  # caches and build output in scope: writable, never counted nor kept
     OUT_OF_SCOPE = "out-of-scope"  # readable, not writable
+    GENERATED_OUTSIDE = "generated-outside"  # generated output out of scope: readable, a write refused quietly
 
     @property
     def counted(self) -> bool:
@@ -77,11 +122,13 @@ class PathPolicy:
     needs: whether ``.git/config`` existed when the guard started (a repository the agent
     creates may configure itself, one that was there may not). It defaults to the safe
     answer, read-only; whoever builds a guarded run looks and says (see sandbox.session).
+    *gitignore* holds the repository's .gitignore patterns (:func:`read_gitignore`), read
+    when ``paths.generated_from_gitignore`` is on.
     """
 
     def __init__(
         self, manifest: Manifest, *, git_config_existed: bool = True, started_ns: int | None = None,
-        hide_git: bool = False, git_state_locked: bool = False,
+        hide_git: bool = False, git_state_locked: bool = False, gitignore: Sequence[str] = (),
     ) -> None:
         self.manifest = manifest
         self.git_config_existed = git_config_existed
@@ -99,6 +146,10 @@ class PathPolicy:
         self._allowed = pathspec.GitIgnoreSpec.from_lines(paths.allowed)
         self._git_writable = paths.git_internals == "writable"
         self._mkdir_ancestors = _literal_ancestors(paths.allowed)
+        self._generated = pathspec.GitIgnoreSpec.from_lines(paths.generated)
+        #: The .gitignore patterns treated as generated (paths.generated_from_gitignore).
+        self.gitignore = list(gitignore) if paths.generated_from_gitignore else []
+        self._gitignored = pathspec.GitIgnoreSpec.from_lines(self.gitignore)
 
     def classify(self, path: str, is_dir: bool) -> Classification:
         """Classify *path* (relative to the root, '/'-separated, '' for the root itself)."""
@@ -121,9 +172,29 @@ class PathPolicy:
             base = self._git_internal()
         else:
             base = self._by_allowed(path, probe, is_dir)
-        if role is None or base.scope not in (Scope.ALLOWED, Scope.GIT_INTERNAL):
+            generated = self._generated_rule(probe)
+            if generated is not None:
+                key, pattern = generated
+                scope = Scope.GENERATED if base.scope is Scope.ALLOWED else Scope.GENERATED_OUTSIDE
+                base = Classification(scope, key, pattern)
+        if role is None or base.scope not in (Scope.ALLOWED, Scope.GIT_INTERNAL, Scope.GENERATED):
             return base  # a repository inside a read-only tree is as read-only as the tree
         return self._git(path, is_dir, role, base)
+
+    def _generated_rule(self, probe: str) -> tuple[str, str] | None:
+        """The manifest key and pattern that make *probe* generated output, if any."""
+        hit = self._generated.check_file(probe)
+        if hit.include and hit.index is not None:
+            return GENERATED_RULE, self.manifest.paths.generated[hit.index]
+        if self.gitignore:
+            hit = self._gitignored.check_file(probe)
+            if hit.include and hit.index is not None:
+                return _GITIGNORE_RULE, self.gitignore[hit.index]
+        return None
+
+    def generated(self, path: str, is_dir: bool) -> bool:
+        """Whether *path* is generated output (``paths.generated``): never kept for rollback."""
+        return self.classify(path, is_dir).scope in (Scope.GENERATED, Scope.GENERATED_OUTSIDE)
 
     def _git(self, path: str, is_dir: bool, role: tuple[GitRole, str], base: Classification) -> Classification:
         """A name with a role in a repository: narrowed from its writable *base*."""
@@ -183,7 +254,8 @@ class PathPolicy:
         lines = [
             f"task {m.task.id}: {m.task.goal}",
             "",
-            "precedence: built-in protections > paths.forbidden > paths.allowed > out of scope",
+            "precedence: built-in protections > paths.forbidden > paths.allowed > out of scope;",
+            "  paths.generated inside allowed: writable, uncounted; outside: refused quietly (no trip)",
             "built-in protections:",
             f"  {GUARD_DIR}/              read-only (the guard's own files)",
             "  .git/hooks/          read-only (git may create *.sample templates)",
@@ -197,6 +269,10 @@ class PathPolicy:
             f"  .git/ (the rest)     {m.paths.git_internals}, not counted toward limits",
             "forbidden (no read, no write; EACCES):",
             *(f"  {p}" for p in m.paths.forbidden or ["(none)"]),
+            "generated (never counted nor kept for rollback; out of scope: EROFS, no trip):",
+            *(f"  {p}" for p in m.paths.generated or ["(none)"]),
+            *([f"  and the {len(self.gitignore)} pattern(s) of .gitignore"]
+              if m.paths.generated_from_gitignore else []),
             "allowed (writes land here; elsewhere EROFS):",
             *(f"  {p}" for p in m.paths.allowed or ["(none: read-only workspace)"]),
             "limits:",

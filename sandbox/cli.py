@@ -370,6 +370,11 @@ def _say_rolled_back(run_dir: Path, to: str) -> int:
         shown = path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
         print(f"NOT restored: {shown} (its pre-image would have passed [sandbox] checkpoint_max_bytes; "
               "it is left as it is)")
+    if done.generated:
+        shown = ", ".join(p.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+                          for p in done.generated[:5])
+        more = f" and {len(done.generated) - 5} more" if len(done.generated) > 5 else ""
+        print(f"NOT restored: generated output {shown}{more} ([paths] generated: never kept; left as it is)")
     return Exit.OK
 
 

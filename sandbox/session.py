@@ -27,7 +27,7 @@ from guardfs.events import EventLog
 from guardfs.fs import GuardFS
 from guardfs.gitscope import ForbiddenInGitError, GitScope
 from guardfs.manifest import Manifest
-from guardfs.policy import PathPolicy
+from guardfs.policy import PathPolicy, read_gitignore
 from sandbox.breaker import Breaker, Effect, Effects
 from sandbox.breaker.daemon import Daemon
 from sandbox.breaker.ledger import render_state
@@ -83,7 +83,9 @@ class Session:
         self.manifest = manifest
         self.events = events
         self.run_dir = run_dir
-        self.policy = PathPolicy(manifest, git_config_existed=git_config_exists(workspace), git_state_locked=True)
+        gitignore = read_gitignore(workspace) if manifest.paths.generated_from_gitignore else ()
+        self.policy = PathPolicy(manifest, git_config_existed=git_config_exists(workspace), git_state_locked=True,
+                                 gitignore=gitignore)
         #: What ``guard run`` says at start (the forbidden paths git tracks, under "warn"/"hide-git").
         self.notices: list[str] = []
         self.gitscope = self._git_scope(manifest, workspace)
@@ -101,6 +103,8 @@ class Session:
             xattrs=xattrs,
             policy=self.policy,
             gitscope=self.gitscope,
+            # Generated output out of scope (caches, bytecode) lands here, never in the workspace.
+            scratch_dir=run_dir / "scratch" if run_dir is not None else None,
         )
         self._daemon: Daemon | None = None
         if self._breaker is not None and run_dir is not None:
@@ -130,7 +134,7 @@ class Session:
                 "(run with them readable through git)")
         if mode == "hide-git":
             self.policy = PathPolicy(manifest, git_config_existed=self.policy.git_config_existed, hide_git=True,
-                                     git_state_locked=True)
+                                     git_state_locked=True, gitignore=self.policy.gitignore)
             scope.policy = self.policy
             self.notices.append(f"git tracks forbidden path(s) {shown}: .git/ is forbidden to the agent "
                                 "in this run (paths.forbidden_in_git = \"hide-git\"); git does not work here")

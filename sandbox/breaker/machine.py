@@ -39,7 +39,7 @@ from guardfs.accounting import WriteAccounting
 from guardfs.decision import ALLOW, ERRNO_FORBIDDEN, ERRNO_LIMIT, LimitsDecider, Request, Verdict, policy_verdict
 from guardfs.events import printable
 from guardfs.manifest import Limits, Manifest
-from guardfs.policy import Classification, PathPolicy, Scope
+from guardfs.policy import GENERATED_KEYS, Classification, PathPolicy, Scope
 from guardfs.rules import RULES, Rule
 
 __all__ = ["NO_EFFECTS", "Breaker", "Effect", "Effects", "Reply", "Rule", "State", "Trip"]
@@ -261,6 +261,8 @@ class Breaker:
         return self._take_effects()
 
     def _rule_for_denial(self, request: Request, policy: Verdict) -> Rule | None:
+        if policy.rule in GENERATED_KEYS:
+            return None  # a tool's cache or build output out of scope: refused quietly (paths.generated)
         if policy.errno == ERRNO_FORBIDDEN:
             # Trip on intent, refuse on contact: a stat or access check of a forbidden name
             # (git status, an indexer, a dotenv probe) is refused but is no violation.
