@@ -71,7 +71,13 @@ def _claude(hook: str) -> Launch:
 def _codex(hook: str) -> Launch:
     quoted = hook.replace("\\", "\\\\").replace('"', '\\"')  # a TOML basic string
     entry = f'[{{matcher="*",hooks=[{{type="command",command="{quoted}",timeout=10}}]}}]'
-    return Launch(args=("-c", f"hooks.PreToolUse={entry}", "-c", f"hooks.PostToolUse={entry}"))
+    # `codex exec` silently skips hooks that are not trusted (their hash persisted in the user's
+    # config), and -c overrides never are: --dangerously-bypass-hook-trust runs them for this
+    # invocation without writing the user's config. It also runs the user's own enabled but
+    # untrusted hooks for this invocation (a project's .codex/ layer stays off while the project
+    # is untrusted). Only PreToolUse: Codex's PostToolUse carries the tool's output text and no
+    # status (the `exec --json` stream has the exit codes).
+    return Launch(args=("--dangerously-bypass-hook-trust", "-c", f"hooks.PreToolUse={entry}"))
 
 
 def _gemini(hook: str) -> Launch:
@@ -90,7 +96,8 @@ _TABLE = (
     Agent(
         name="codex", commands=frozenset({"codex"}), stream_format="codex-json",
         parser="sandbox.agents.codex:CodexJsonParser",
-        mutating_tools=frozenset({"shell", "exec_command", "apply_patch"}),
+        # Its hooks name the shell tool "Bash" (exec_command/shell_command in the model's tools).
+        mutating_tools=frozenset({"Bash", "shell", "shell_command", "exec_command", "apply_patch"}),
         hook=HookConvention("PreToolUse", "PostToolUse"), launch=_codex,
     ),
     Agent(
