@@ -25,7 +25,7 @@ import pytest
 
 from .openai_server import Call, ResponsesModel, scripted_responses
 
-# Each test runs guard run for real (root, as CI runs it; a FUSE mount) and takes ~10-20 s.
+# Each test runs guard run for real (root, as CI runs it; a FUSE mount): ~5 s each alone.
 pytestmark = [pytest.mark.root, pytest.mark.mount, pytest.mark.slow]
 
 CODEX_VERSION = "0.169.0"
@@ -73,13 +73,18 @@ def repository(tmp_path: Path) -> tuple[Path, Path, Path]:
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "add", "-A"], check=True)
     subprocess.run([*git, "commit", "-qm", "shop"], check=True)
-    home.mkdir()
+    # The user's own Codex home: a login and a config (the model) that must reach Codex, in a HOME
+    # the agent cannot write (as a home outside [sandbox] writable is): guard's copy of it must do.
+    (home / ".codex").mkdir(parents=True)
+    (home / ".codex/auth.json").write_text('{"OPENAI_API_KEY": "sk-test-fake"}\n')
+    (home / ".codex/config.toml").write_text(f'model = "{MODEL}"\n')
+    home.chmod(0o555)
+    (home / ".codex").chmod(0o555)
     manifest = tmp_path / "guard.toml"
     manifest.write_text(
         f'[task]\nid = "fix-tax"\ngoal = "{GOAL}"\n'
         '[paths]\nallowed = ["src/checkout/"]\nforbidden = [".github/workflows/**", "secrets/**"]\n'
         'forbidden_in_git = "warn"\n'  # a repository that tracks them: readable through git, as said
-        f'[sandbox]\nwritable = ["{home}"]\n'
     )
     return ws, home, manifest
 
@@ -90,7 +95,7 @@ def run_codex(codex: Path, ws: Path, home: Path, manifest: Path, run_dir: Path,
     provider = (f'model_providers.scripted={{name="scripted",base_url="{url}",wire_api="responses",'
                 'request_max_retries=0,stream_max_retries=0}')
     command = [str(codex), "exec", "--json", "--dangerously-bypass-approvals-and-sandbox",
-               "-c", 'model_provider="scripted"', "-c", provider, "-m", MODEL, "Fix the rounding helper"]
+               "-c", 'model_provider="scripted"', "-c", provider, "Fix the rounding helper"]
     env = {**os.environ, "HOME": str(home), "PYTHONDONTWRITEBYTECODE": "1", "NO_COLOR": "1"}
     return subprocess.run(
         [sys.executable, "-m", "sandbox", "run", "--agent", "codex", "--ci", "--manifest", str(manifest),
@@ -110,7 +115,7 @@ def patch(path: str, old: str, new: str) -> str:
 
 
 IN_SCOPE = [
-    Call("exec_command", {"cmd": "cat src/checkout/tax.py && git log --oneline"}),
+    Call("exec_command", {"cmd": "cat src/checkout/tax.py && git log --oneline && echo $CODEX_HOME && ls $CODEX_HOME"}),
     Call("apply_patch", patch("src/checkout/tax.py", "    return x", "    return round(x, 2)")),
     Call("exec_command", {"cmd": pytest_cmd()}),
 ]
@@ -132,11 +137,20 @@ def test_codex_in_scope_session_exits_0(tmp_path: Path, codex_cli: Path) -> None
         result = run_codex(codex_cli, ws, home, manifest, run_dir, url)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
-    assert "apply_patch" in model.tool_names()  # the slug is one Codex knows
+    # Codex ran on the user's config (its model: a slug Codex knows, so it offers apply_patch),
+    # copied into a CODEX_HOME of the run's own; the user's own home was not written.
+    assert model.requests[0]["model"] == MODEL and "apply_patch" in model.tool_names()
+    assert sorted(p.name for p in (home / ".codex").iterdir()) == ["auth.json", "config.toml"]
     assert len(model.requests) == 4, outputs(model)
     # The read saw the file and the history; the patch landed; the tests ran inside and passed.
     seen = model.tool_outputs()
     assert "return x" in seen[0] and "shop" in seen[0], seen
+    # Codex's home was the run's own (in the guard's staging directory, gone with the run),
+    # holding the copies and what Codex wrote.
+    lines = seen[0].split("Output:\n", 1)[-1].splitlines()
+    codex_home = next(line for line in lines if line.endswith("/codex_home"))
+    assert codex_home.startswith("/tmp/guardfs-stage-") and not Path(codex_home).exists(), lines
+    assert {"auth.json", "config.toml", "sessions"} <= set(lines), lines
     assert (ws / "src/checkout/tax.py").read_text() == FIXED
     assert "1 passed" in seen[2], seen
     # Nothing tripped; the hooks ran without persisted trust (the flag guard passes, which Codex
