@@ -8,7 +8,9 @@ from typing import Any
 
 from sandbox.agents.events import Step, ToolDone, Totals
 from sandbox.agents.fasthook import decide
+from sandbox.agents.hooks import AGENT_STATE, agent_state
 from sandbox.agents.parsers import make_parser
+from sandbox.agents.registry import AGENTS
 
 HERE = Path(__file__).resolve().parent / "fixtures"
 CWD = "/work/shop"
@@ -91,3 +93,26 @@ def test_a_failed_patch_without_an_exit_code_is_a_failure() -> None:
     line = ('{"type":"item.completed","item":{"id":"item_3","type":"file_change","changes":[{"path":"a.py",'
             '"kind":"update"}],"status":"failed"}}')
     assert [(d.name, d.exit_code) for d in parser.feed(line) if isinstance(d, ToolDone)] == [("apply_patch", 1)]
+
+
+def test_codex_gets_a_state_directory_of_the_runs_own_with_copies_of_the_users_login(tmp_path: Path) -> None:
+    user = tmp_path / "home/.codex"
+    (user / "sessions").mkdir(parents=True)
+    (user / "auth.json").write_text('{"OPENAI_API_KEY": "sk-x"}')
+    (user / "config.toml").write_text('model = "gpt-5.5"\n')
+    (user / "history.jsonl").write_text("private\n")
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    setup = AGENTS["codex"].launch("hook")
+    state = agent_state(setup, stage, {"HOME": str(tmp_path / "home")})
+    assert state is not None and state.parent == stage / AGENT_STATE
+    assert sorted(p.name for p in state.iterdir()) == ["auth.json", "config.toml"]  # the login and config only
+    assert (state / "auth.json").stat().st_mode & 0o777 == 0o600
+    assert (state / "config.toml").read_text() == 'model = "gpt-5.5"\n'
+    # $CODEX_HOME, when the user sets it, is where the login is; a missing file is no error.
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "config.toml").write_text("x = 1\n")
+    again = agent_state(setup, tmp_path, {"HOME": str(tmp_path / "home"), "CODEX_HOME": str(other)})
+    assert again is not None and sorted(p.name for p in again.iterdir()) == ["config.toml"]
+    assert agent_state(AGENTS["claude"].launch("hook"), stage, {}) is None

@@ -28,8 +28,8 @@ from sandbox.agents.fasthook import MUTATING_TOOLS, VERSION, run_hook
 from sandbox.agents.registry import AGENTS, Launch
 
 __all__ = [
-    "MUTATING_TOOLS", "agent_state", "compiled_helper", "helper_cache", "helper_defines", "hook_command", "launch",
-    "run_hook",
+    "AGENT_STATE", "MUTATING_TOOLS", "agent_state", "compiled_helper", "helper_cache", "helper_defines",
+    "hook_command", "launch", "run_hook",
 ]
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,11 @@ def launch(agent: str, command: list[str], compiled: bool = True) -> tuple[list[
     return [command[0], *setup.args, *command[1:]], setup
 
 
+#: Where, in the staging (or run) directory, the agents' state directories are made; the run
+#: removes it at its end (it holds copies of the user's login).
+AGENT_STATE = "agent-state"
+
+
 def agent_state(
     setup: Launch, where: Path, environ: Mapping[str, str], owner: tuple[int, int] | None = None
 ) -> Path | None:
@@ -116,7 +121,8 @@ def agent_state(
     if setup.state is None:
         return None
     var, default, names = setup.state
-    state = where / var.lower()
+    (where / AGENT_STATE).mkdir(mode=0o711, exist_ok=True)
+    state = where / AGENT_STATE / var.lower()
     state.mkdir(mode=0o700, exist_ok=True)
     home = environ.get("HOME") or str(Path.home())
     user = Path(environ.get(var) or (home + default[1:] if default.startswith("~/") else default))

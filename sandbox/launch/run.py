@@ -37,7 +37,7 @@ from guardfs.events import EventLog, printable
 from guardfs.manifest import Manifest
 from guardfs.mount import check_fuse_available, init_mount, keepalive, mount_options
 from sandbox.agents import Event, to_messages
-from sandbox.agents.hooks import agent_state, compiled_helper, launch
+from sandbox.agents.hooks import AGENT_STATE, agent_state, compiled_helper, launch
 from sandbox.agents.registry import AGENTS
 from sandbox.breaker import Breaker, Effect, Effects, State
 from sandbox.breaker.daemon import Daemon
@@ -156,6 +156,7 @@ def run(opts: RunOptions) -> int:
         lane_stage.cleanup()
         _keep_exec_logs(stage, run_dir)
         (stage / "unreadable").unlink(missing_ok=True)
+        shutil.rmtree(stage / AGENT_STATE, ignore_errors=True)  # copies of the user's login: not kept
         with contextlib.suppress(OSError):
             mnt.rmdir()
         if stage != run_dir:
