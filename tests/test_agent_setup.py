@@ -36,7 +36,7 @@ def hook(agent: str, event: dict[str, object], socket: Path, how: str = "python"
     ("claude", "PreToolUse", "PostToolUse", "Edit", {"file_path": "src/auth/jwt.py", "old_string": "a",
                                                       "new_string": "b"}),
     ("codex", "PreToolUse", "PostToolUse", "apply_patch",
-     {"input": "*** Begin Patch\n*** Update File: src/auth/jwt.py\n@@\n-a\n+b\n*** End Patch\n"}),
+     {"command": "*** Begin Patch\n*** Update File: src/auth/jwt.py\n@@\n-a\n+b\n*** End Patch\n"}),
     ("gemini", "BeforeTool", "AfterTool", "write_file", {"file_path": "src/auth/jwt.py", "content": "x"}),
 ])
 @pytest.mark.mount
@@ -99,8 +99,8 @@ def test_guard_run_sets_up_each_agent_without_touching_its_config(tmp_path: Path
         hooks = json.loads(argv[1])["hooks"]
         assert hooks["PreToolUse"][0]["hooks"][0]["command"] == hook_command("claude")
     elif agent == "codex":
-        assert argv[:4] == ["-c", argv[1], "-c", argv[3]] and argv[4:] == ["-p", "task"]
-        assert argv[1].startswith("hooks.PreToolUse=") and hook_command("codex") in argv[1]
+        assert argv[:3] == ["--dangerously-bypass-hook-trust", "-c", argv[2]] and argv[3:] == ["-p", "task"]
+        assert argv[2].startswith("hooks.PreToolUse=") and hook_command("codex") in argv[2]
     elif agent == "gemini":
         assert argv == ["--skip-trust", "-p", "task"]  # headless: trusted for this run, not in the user's files
         assert settings is not None

@@ -23,7 +23,7 @@ from sandbox import cli
 from sandbox.agents import fasthook, hooks
 from sandbox.agents.events import JsonLinesParser
 from sandbox.agents.parsers import FORMATS, make_parser
-from sandbox.agents.registry import AGENTS, detect
+from sandbox.agents.registry import AGENTS, Launch, detect
 from sandbox.breaker import protocol
 
 from .helpers import FIX_TAX as MANIFEST
@@ -58,7 +58,7 @@ def test_each_agent_is_detected_parsed_and_launched_from_its_entry(name: str) ->
     hook = hooks.hook_command(name)
     assert any(hook in text for text in [*setup.args, *(content for _, _, content in setup.files)])
     assert agent.mutating_tools <= fasthook.MUTATING_TOOLS
-    assert not detect(["/bin/not-an-agent"]) and hooks.launch("generic", ["x", "y"]) == (["x", "y"], ((), ()))
+    assert not detect(["/bin/not-an-agent"]) and hooks.launch("generic", ["x", "y"]) == (["x", "y"], Launch())
 
 
 def test_one_protocol_version_and_one_guard_unreachable() -> None:

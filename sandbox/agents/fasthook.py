@@ -67,7 +67,10 @@ _POST = frozenset(agent.hook.after for agent in AGENTS.values())
 #: The exit status that blocks a tool for an agent not in the table.
 BLOCK = 2
 _PATH_KEYS = ("file_path", "notebook_path", "path", "absolute_path")
-_PATCH_FILE = re.compile(r"^\*\*\* (?:Add|Update|Delete) File: (.+)$", re.MULTILINE)
+#: The files an apply_patch patch writes: added, updated, deleted, and the target of a move.
+_PATCH_FILE = re.compile(r"^\*\*\* (?:Add File|Update File|Delete File|Move to): (.+)$", re.MULTILINE)
+#: The tool output's exit status, as Codex words it in a PostToolUse ``tool_response`` string.
+_EXIT_TEXT = re.compile(r"^(?:Exit code: |Process exited with code )(-?\d{1,3})$", re.MULTILINE)
 #: Gemini's run_shell_command result (AfterTool's tool_response.llmContent): the command's output,
 #: then "Exit Code: N" (only when not 0) and a few lines of its own at the very end. Anchored at the
 #: end, so that the command's output cannot hide a real non-zero code. Gemini may wrap it all in
@@ -224,9 +227,13 @@ def _paths(tool_input: dict[str, Any], cwd: str) -> list[str]:
         value = _field(tool_input, key, str, "tool_input.")
         if value:
             out.append(os.path.normpath(os.path.join(cwd, value)))
-    patch = tool_input.get("input") or tool_input.get("patch")  # Codex apply_patch; an MCP tool's may be an object
-    if isinstance(patch, str):
-        out += [os.path.normpath(os.path.join(cwd, p.strip())) for p in _PATCH_FILE.findall(patch)]
+    # Codex's apply_patch: its hook payload has the patch as "command" (the model's free-form
+    # input); older payloads and MCP tools said "input"/"patch". A shell command that pipes a
+    # patch into apply_patch (a heredoc) writes the same files. An MCP tool's may be an object.
+    for key in ("command", "input", "patch"):
+        patch = tool_input.get(key)
+        if isinstance(patch, str) and "*** Begin Patch" in patch:
+            out += [os.path.normpath(os.path.join(cwd, p.strip())) for p in _PATCH_FILE.findall(patch)]
     for i, edit in enumerate(_field(tool_input, "edits", list, "tool_input.") or []):
         if not isinstance(edit, dict):
             raise HookPayloadError(f"tool_input.edits[{i}] must be an object, not {_type_name(edit)}")
@@ -240,6 +247,9 @@ def _paths(tool_input: dict[str, Any], cwd: str) -> list[str]:
 
 
 def _exit_code(response: Any) -> int:
+    if isinstance(response, str):  # Codex: the tool's output text, which may state its status
+        found = _EXIT_TEXT.search(response)
+        return max(-255, min(255, int(found.group(1)))) if found else 0
     if isinstance(response, dict):
         for key in ("exit_code", "exitCode", "returncode"):
             value = response.get(key)

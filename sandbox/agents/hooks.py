@@ -20,14 +20,17 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from sandbox.agents import fasthook
 from sandbox.agents.fasthook import MUTATING_TOOLS, VERSION, run_hook
 from sandbox.agents.registry import AGENTS, Launch
 
-__all__ = ["MUTATING_TOOLS", "compiled_helper", "helper_cache", "helper_defines", "hook_command", "launch", "run_hook"]
+__all__ = [
+    "AGENT_STATE", "MUTATING_TOOLS", "agent_state", "compiled_helper", "helper_cache", "helper_defines",
+    "hook_command", "launch", "run_hook",
+]
 
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("guard_hook.c")
@@ -102,3 +105,36 @@ def launch(agent: str, command: list[str], compiled: bool = True) -> tuple[list[
         return list(command), Launch()
     setup = known.launch(hook_command(known.name, compiled))
     return [command[0], *setup.args, *command[1:]], setup
+
+
+#: Where, in the staging (or run) directory, the agents' state directories are made; the run
+#: removes it at its end (it holds copies of the user's login).
+AGENT_STATE = "agent-state"
+
+
+def agent_state(
+    setup: Launch, where: Path, environ: Mapping[str, str], owner: tuple[int, int] | None = None
+) -> Path | None:
+    """The agent's state directory of the run's own (:attr:`Launch.state`), created in *where*
+    with copies of the user's files (those that exist; *environ* is the agent's environment, for
+    the variable and HOME), owned by *owner* (uid, gid) when given; None when the agent needs none."""
+    if setup.state is None:
+        return None
+    var, default, names = setup.state
+    (where / AGENT_STATE).mkdir(mode=0o711, exist_ok=True)
+    state = where / AGENT_STATE / var.lower()
+    state.mkdir(mode=0o700, exist_ok=True)
+    home = environ.get("HOME") or str(Path.home())
+    user = Path(environ.get(var) or (home + default[1:] if default.startswith("~/") else default))
+    for name in names:
+        source, copy = user / name, state / name
+        try:
+            if source.is_file():
+                copy.touch(mode=0o600)
+                shutil.copyfile(source, copy)
+        except OSError as err:  # the agent starts without it, and says what it misses
+            log.warning("%s: not copied into the run's %s (%s)", source, var, err.strerror or err)
+    if owner is not None:
+        for path in (state, *state.iterdir()):
+            os.chown(path, *owner)
+    return state

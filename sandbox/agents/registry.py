@@ -42,6 +42,11 @@ class Launch(NamedTuple):
     #: Files written for the run, each (environment variable, file name, content): the guard writes
     #: the file and sets the variable to the path where the agent sees it.
     files: tuple[tuple[str, str, str], ...] = ()
+    #: A state directory of the run's own, (environment variable, the user's directory, files
+    #: copied from it): the guard creates it, writable, in the run directory, copies those files of
+    #: the user's directory (the variable's value, else this default under ``~``) into it, and sets
+    #: the variable to it. The user's own directory is never written, nor bound into the sandbox.
+    state: tuple[str, str, tuple[str, ...]] | None = None
 
 
 class Agent(NamedTuple):
@@ -71,7 +76,17 @@ def _claude(hook: str) -> Launch:
 def _codex(hook: str) -> Launch:
     quoted = hook.replace("\\", "\\\\").replace('"', '\\"')  # a TOML basic string
     entry = f'[{{matcher="*",hooks=[{{type="command",command="{quoted}",timeout=10}}]}}]'
-    return Launch(args=("-c", f"hooks.PreToolUse={entry}", "-c", f"hooks.PostToolUse={entry}"))
+    # `codex exec` silently skips hooks that are not trusted (their hash persisted in the user's
+    # config), and -c overrides never are: --dangerously-bypass-hook-trust runs them for this
+    # invocation without writing the user's config. It also runs the user's own enabled but
+    # untrusted hooks for this invocation (a project's .codex/ layer stays off while the project
+    # is untrusted). Only PreToolUse: Codex's PostToolUse carries the tool's output text and no
+    # status (the `exec --json` stream has the exit codes).
+    # Codex writes its home (sessions, state database) and exits 1 when it cannot: a CODEX_HOME
+    # of the run's own, with copies of the user's login and config, works whatever the sandbox
+    # makes of HOME, and keeps the agent from writing the user's config (hook trust included).
+    return Launch(args=("--dangerously-bypass-hook-trust", "-c", f"hooks.PreToolUse={entry}"),
+                  state=("CODEX_HOME", "~/.codex", ("auth.json", "config.toml")))
 
 
 def _gemini(hook: str) -> Launch:
@@ -93,7 +108,8 @@ _TABLE = (
     Agent(
         name="codex", commands=frozenset({"codex"}), stream_format="codex-json",
         parser="sandbox.agents.codex:CodexJsonParser",
-        mutating_tools=frozenset({"shell", "exec_command", "apply_patch"}),
+        # Its hooks name the shell tool "Bash" (exec_command/shell_command in the model's tools).
+        mutating_tools=frozenset({"Bash", "shell", "shell_command", "exec_command", "apply_patch"}),
         hook=HookConvention("PreToolUse", "PostToolUse"), launch=_codex,
     ),
     Agent(

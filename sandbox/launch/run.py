@@ -37,7 +37,7 @@ from guardfs.events import EventLog, printable
 from guardfs.manifest import Manifest
 from guardfs.mount import check_fuse_available, init_mount, keepalive, mount_options
 from sandbox.agents import Event, to_messages
-from sandbox.agents.hooks import compiled_helper, launch
+from sandbox.agents.hooks import AGENT_STATE, agent_state, compiled_helper, launch
 from sandbox.agents.registry import AGENTS
 from sandbox.breaker import Breaker, Effect, Effects, State
 from sandbox.breaker.daemon import Daemon
@@ -156,6 +156,7 @@ def run(opts: RunOptions) -> int:
         lane_stage.cleanup()
         _keep_exec_logs(stage, run_dir)
         (stage / "unreadable").unlink(missing_ok=True)
+        shutil.rmtree(stage / AGENT_STATE, ignore_errors=True)  # copies of the user's login: not kept
         with contextlib.suppress(OSError):
             mnt.rmdir()
         if stage != run_dir:
@@ -295,6 +296,11 @@ def _agent_argv(
         written.chmod(0o644)
         files.append((str(written), f"{SANDBOX_RUN_DIR}/{name}"))
         env[var] = f"{SANDBOX_RUN_DIR}/{name}" if bwrap is not None else str(written)
+    pw_agent = pwd.getpwnam(opts.user) if opts.user is not None else None
+    state = agent_state(setup, mnt.parent, {**env, **({"HOME": pw_agent.pw_dir} if pw_agent else {})},
+                        (pw_agent.pw_uid, pw_agent.pw_gid) if pw_agent else None)
+    if state is not None and setup.state is not None:  # the agent's state of its own, bound writable
+        env[setup.state[0]] = str(state)
     if bwrap is None:
         env.update(GUARD_SOCKET=str(daemon.agent_path), GUARD_RUN_DIR=str(opts.run_dir),
                    GUARD_WORKSPACE=str(mnt))
@@ -306,13 +312,18 @@ def _agent_argv(
         pw = pwd.getpwnam(opts.user)
         os.chown(exec_logs, pw.pw_uid, pw.pw_gid)
     own_home = pwd.getpwnam(opts.user).pw_dir if opts.user is not None else None
+    if opts.agent in AGENTS and opts.user is None and (helper := compiled_helper()) is not None:
+        # The hook helper lives in the user's cache (~/.cache), which the sandbox may cover (/root,
+        # a home under /tmp): without this bind every hook call fails (127), which agents take as
+        # "not blocked".
+        files.append((str(helper), str(helper)))
     mask_file = mnt.parent / "unreadable"
     mask_file.touch(mode=0)
     mask_file.chmod(0)
     argv = bwrap_argv(
         bwrap=bwrap, mountpoint=str(mnt), workspace=str(opts.workspace), run_dir=str(opts.run_dir),
         agent_socket=str(daemon.agent_path), cwd=str(cwd), command=command,
-        writable=[str(p) for p in _extra_writable(opts)], pty=pty,
+        writable=[str(p) for p in _extra_writable(opts)] + ([str(state)] if state else []), pty=pty,
         entry=system_entry() if opts.user is not None else None, files=files, over_workspace=lane_args,
         exec_logs=str(exec_logs), masks=host_secrets(own_home, live_run_dirs(opts.run_dir)),
         mask_file=str(mask_file), network=opts.manifest.sandbox.network,
