@@ -124,6 +124,15 @@ class Paths(_Strict):
             "Over-broad patterns such as '*' or '**' are refused."
         ),
     )
+    generated: list[Pattern] = Field(
+        default_factory=list,
+        description=(
+            "Generated territory: caches, build outputs and installs (gitignore-style). A literal "
+            "directory here that exists inside paths.allowed when guard run starts ('.venv/', "
+            "'node_modules/') is bound natively and writable into the sandbox (see "
+            "[sandbox] native_generated). Forbidden still wins."
+        ),
+    )
     git_internals: Literal["writable", "read-only"] = Field(
         default="writable",
         description=(
@@ -275,6 +284,16 @@ class SandboxSettings(_Strict):
             "(needs allowed patterns anchored at a literal directory, like 'src/checkout/**'). "
             "Faster reads; but a write attempted there is refused by the kernel and never reaches "
             "the breaker, so scope_spill does not see it."
+        ),
+    )
+
+    native_generated: bool = Field(
+        default=True,
+        description=(
+            "Bind each literal directory of paths.generated that exists inside paths.allowed at the "
+            "start natively and writable into the sandbox: installs and builds there run at native "
+            "speed and never reach the breaker (they would not count anyway). Forbidden paths "
+            "inside are masked. false: everything goes through the mount."
         ),
     )
 

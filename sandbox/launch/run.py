@@ -54,6 +54,7 @@ from sandbox.launch.isolation import (
     unbind,
 )
 from sandbox.launch.lanes import LaneStage, plan_lanes
+from sandbox.launch.native import NativeStage, plan_native
 from sandbox.launch.quarantine import Recorder, console, digest
 from sandbox.launch.runs import live_run_dirs, registered
 from sandbox.launch.supervisor import ProcessTree, Spawner, wait_exit
@@ -132,6 +133,8 @@ def run(opts: RunOptions) -> int:
     events = EventLog(run_dir / "events.jsonl", caps=opts.manifest.record)
     lane_stage = LaneStage(stage)
     lane_args = _fast_lanes(opts, bwrap, lane_stage, events)
+    native_stage = NativeStage(stage)
+    lane_args += _native_generated(opts, bwrap, native_stage, events)
     outcome = _Outcome()
     with open(run_dir / "workspace", "w", opener=lambda p, f: os.open(p, f, 0o600)) as marker:
         marker.write(str(opts.workspace))  # for an offline guard rollback
@@ -154,6 +157,7 @@ def run(opts: RunOptions) -> int:
         session.close()
         events.close()
         lane_stage.cleanup()
+        native_stage.cleanup()
         _keep_exec_logs(stage, run_dir)
         (stage / "unreadable").unlink(missing_ok=True)
         with contextlib.suppress(OSError):
@@ -347,6 +351,29 @@ def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: E
     _say(f"fast lanes (read natively, read-only, not seen by the breaker): {', '.join(lanes.trees)}"
          + (f"; {masked} forbidden path(s) masked inside" if masked else ""))
     events.emit("lanes", "", "allow", trees=lanes.trees, masked=masked)
+    return argv
+
+
+def _native_generated(opts: RunOptions, bwrap: str | None, stage: NativeStage, events: EventLog) -> list[str]:
+    """bubblewrap arguments binding the run's in-scope generated directories natively and
+    writable (see sandbox.launch.native), said aloud and recorded as an event."""
+    if not opts.manifest.sandbox.native_generated or bwrap is None:
+        return []  # without the sandbox, nothing is bound: every path goes through the mount
+    try:
+        native = plan_native(opts.manifest, opts.workspace)
+        argv = stage.bwrap_args(native, opts.workspace.resolve(), str(opts.workspace), staged=opts.user is not None)
+    except OSError as err:  # a speed-up only: without it the trees go through the mount
+        stage.cleanup()
+        _say(f"native generated trees are off: {err}; they go through the mount")
+        return []
+    for reason in native.skipped:
+        _say(f"generated tree left to the mount: {reason}")
+    if not native.trees:
+        return []
+    masked = len(native.masked_files) + len(native.masked_dirs)
+    _say(f"generated trees (written natively, not seen by the breaker): {', '.join(native.trees)}"
+         + (f"; {masked} forbidden path(s) masked inside" if masked else ""))
+    events.emit("native", "", "allow", trees=native.trees, masked=masked)
     return argv
 
 
