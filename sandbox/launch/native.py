@@ -180,7 +180,7 @@ def plan_native(manifest: Manifest, workspace: Path, max_masks: int = MAX_MASKS)
     for tree in sorted(set(candidates)):
         if any(tree.startswith(c + "/") for c in candidates):
             continue  # inside another native tree
-        files, dirs = _masks(root, tree, planner.policy, max_masks)
+        files, dirs = _masks(root, tree, manifest, max_masks)
         if files is None or dirs is None:
             out.skipped.append(f"{tree}: more than {max_masks} forbidden paths inside; it stays behind the mount")
             continue
@@ -199,9 +199,14 @@ def _symlinked_parent(root: Path, path: str) -> str | None:
     return None
 
 
-def _masks(root: Path, tree: str, policy: PathPolicy, limit: int) -> tuple[list[str] | None, list[str] | None]:
+def _masks(root: Path, tree: str, manifest: Manifest, limit: int) -> tuple[list[str] | None, list[str] | None]:
     """Forbidden files and directories under *tree*; (None, None) past *limit*. Symlinks are
-    left: they resolve through the sandbox's own view, where their targets are judged."""
+    left: they resolve through the sandbox's own view, where their targets are judged.
+
+    Matched against ``paths.forbidden`` alone, which is all that makes a path forbidden
+    outside ``.git`` (PathPolicy.classify, ten times slower here, says the same): an
+    install tree can hold tens of thousands of files, walked at every start."""
+    forbidden = pathspec.GitIgnoreSpec.from_lines(manifest.paths.forbidden)
     files: list[str] = []
     dirs: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root / tree):
@@ -211,15 +216,14 @@ def _masks(root: Path, tree: str, policy: PathPolicy, limit: int) -> tuple[list[
             path = f"{rel}/{name}"
             if os.path.islink(os.path.join(dirpath, name)):
                 continue
-            if policy.classify(path, True).scope is Scope.FORBIDDEN:
+            if forbidden.match_file(path + "/"):
                 dirs.append(path)
             else:
                 keep.append(name)
         dirnames[:] = keep
         for name in filenames:
             path = f"{rel}/{name}"
-            if not os.path.islink(os.path.join(dirpath, name)) and (
-                    policy.classify(path, False).scope is Scope.FORBIDDEN):
+            if forbidden.match_file(path) and not os.path.islink(os.path.join(dirpath, name)):
                 files.append(path)
         if len(files) + len(dirs) > limit:
             return None, None
