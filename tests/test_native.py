@@ -233,3 +233,33 @@ def test_a_tree_that_cannot_be_staged_falls_back_to_the_mount(
     assert "native generated trees are off: [Errno 1] binding" in capsys.readouterr().err
     assert list(stage.iterdir()) == []
     assert "native" not in (tmp_path / "events.jsonl").read_text()
+
+
+@pytest.mark.root
+@pytest.mark.mount
+@pytest.mark.slow
+def test_a_real_venv_and_pip_install_in_a_native_tree(tmp_path: Path) -> None:
+    """`python -m venv --clear` and `pip install` into an existing in-scope .venv under
+    max_files = 2: the tool's own status, no trip, nothing counted, all of it on the host."""
+    ws = tree(tmp_path / "ws")
+    (ws / "src/checkout/.venv/.env").unlink()  # a masked path could not be cleared (EBUSY)
+    manifest = tmp_path / "native.toml"
+    manifest.write_text(NATIVE)
+    venv = "src/checkout/.venv"
+    script = (f"stat -f -c %T {venv} && /usr/bin/python3 -m venv --clear {venv} && {venv}/bin/pip install -q "
+              f"iniconfig && {venv}/bin/python -c 'import iniconfig; print(\"IMPORTED\")'")
+    run = subprocess.run(
+        [sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest),
+         "--run-dir", str(tmp_path / "run"), "--", "sh", "-c", script],
+        cwd=ws, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )
+    assert run.returncode == 0, run.stderr + (tmp_path / "run/stderr.log").read_text()
+    fs, imported = (tmp_path / "run/stdout.log").read_text().split()
+    assert not fs.startswith("fuse")
+    assert imported == "IMPORTED"
+    ledger = json.loads((tmp_path / "run/ledger.json").read_text())
+    assert ledger["files"]["distinct"] == 0
+    assert ledger["trips"] == []
+    assert len(list((ws / venv).rglob("*"))) > 1000  # the whole venv is on the host
+    assert list((ws / venv).glob("lib/python3*/site-packages/iniconfig/__init__.py"))
+    assert not (ws / venv / "lib/site.py").exists()  # --clear emptied the bound directory in place

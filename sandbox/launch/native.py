@@ -16,7 +16,8 @@ removed). What it gives up: the guard never hears of these operations (no events
 accounting, no rollback, which generated paths do not get anyway), and a forbidden name
 *created* there during the run (by the agent, or by the host) is not judged. A mount point
 cannot be removed, so ``rm -rf .venv`` empties the tree and then fails on the directory
-itself (EBUSY); ``python -m venv --clear .venv`` empties it in place and works.
+itself (EBUSY); ``python -m venv --clear .venv`` empties it in place and works (but for a
+masked path, which stays).
 
 A generated directory that does not exist at the start is left to the mount (it is created,
 and written, through FUSE, uncounted); the next run binds it. See the README for why.
