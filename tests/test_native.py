@@ -82,6 +82,22 @@ def test_plan_needs_a_generated_list(tmp_path: Path) -> None:
     assert plan_native(parse_manifest(bare), ws).trees == []
 
 
+def test_plan_finds_unanchored_names_in_scope_within_its_bounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ws = tmp_path / "ws"
+    for d in ("pkgs/a/lib/.venv", "pkgs/b/lib/x/.venv", "pkgs/a/doc/.venv", "other/lib/.venv"):
+        (ws / d).mkdir(parents=True)
+    manifest = parse_manifest(NATIVE.replace('allowed = ["src/checkout/**"]', 'allowed = ["pkgs/*/lib/**"]'))
+    # A glob component in an allowed pattern is followed; depth 4 is the last looked at.
+    assert plan_native(manifest, ws).trees == ["pkgs/a/lib/.venv"]
+    monkeypatch.setattr(native, "MAX_SCAN", 2)
+    plan = plan_native(manifest, ws)
+    assert plan.trees == []
+    assert plan.skipped == ["looked at 2 directories for .venv, node_modules, target; deeper ones stay behind "
+                            "the mount"]
+
+
 AGENT = """
     import errno, json, os, subprocess
     out = {}
