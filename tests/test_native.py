@@ -91,6 +91,10 @@ def test_plan_finds_unanchored_names_in_scope_within_its_bounds(
     manifest = parse_manifest(NATIVE.replace('allowed = ["src/checkout/**"]', 'allowed = ["pkgs/*/lib/**"]'))
     # A glob component in an allowed pattern is followed; depth 4 is the last looked at.
     assert plan_native(manifest, ws).trees == ["pkgs/a/lib/.venv"]
+    monkeypatch.setattr(native, "MAX_TREES", 0)
+    assert plan_native(manifest, ws).skipped == ["pkgs/a/lib/.venv: more than 0 generated trees; it and the rest "
+                                                 "stay behind the mount"]
+    monkeypatch.setattr(native, "MAX_TREES", 64)
     monkeypatch.setattr(native, "MAX_SCAN", 2)
     plan = plan_native(manifest, ws)
     assert plan.trees == []

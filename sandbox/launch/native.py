@@ -38,10 +38,12 @@ from guardfs.manifest import Manifest
 from guardfs.policy import GUARD_DIR, PathPolicy, Scope
 from sandbox.launch.isolation import unbind
 
-__all__ = ["MAX_MASKS", "MAX_SCAN", "NativeStage", "NativeTrees", "plan_native"]
+__all__ = ["MAX_MASKS", "MAX_SCAN", "MAX_TREES", "NativeStage", "NativeTrees", "bind_writable", "plan_native"]
 
 #: More forbidden paths than this inside one tree and it stays behind the mount (each mask is a mount).
 MAX_MASKS = 500
+#: Trees bound at most (each is a mount; a default list naming '__pycache__/' may find many).
+MAX_TREES = 64
 #: In-scope directories looked at, at most, to find where an unanchored name ('.venv/') lies.
 MAX_SCAN = 2000
 #: How deep below the root an unanchored name is looked for.
@@ -185,6 +187,9 @@ def plan_native(manifest: Manifest, workspace: Path, max_masks: int = MAX_MASKS)
         if files is None or dirs is None:
             out.skipped.append(f"{tree}: more than {max_masks} forbidden paths inside; it stays behind the mount")
             continue
+        if len(out.trees) == MAX_TREES:
+            out.skipped.append(f"{tree}: more than {MAX_TREES} generated trees; it and the rest stay behind the mount")
+            break
         out.trees.append(tree)
         out.masked_files += files
         out.masked_dirs += dirs
