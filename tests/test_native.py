@@ -198,9 +198,11 @@ def test_native_generated_off_and_absent_trees_go_through_the_mount(tmp_path: Pa
     assert (tmp_path / "run-off/stdout.log").read_text().startswith("fuse")
     assert "generated trees" not in run.stderr
     manifest.write_text(NATIVE.replace("max_files = 2", 'max_files = "unlimited"'))
+    (ws / "src/checkout/build").rmdir()
     script = 'import os, subprocess; os.mkdir("src/checkout/target"); print(subprocess.run(' \
              '["stat", "-f", "-c", "%T", "src/checkout/target"], capture_output=True, text=True).stdout.strip())'
-    guard_run(manifest, ws, tmp_path / "run-absent", script, "--ci")
+    run = guard_run(manifest, ws, tmp_path / "run-absent", script, "--ci")
+    assert "generated tree src/checkout/build does not exist yet" in run.stderr  # anchored: its place is known
     assert (tmp_path / "run-absent/stdout.log").read_text().startswith("fuse")
     assert (ws / "src/checkout/target").is_dir()
     run = guard_run(manifest, ws, tmp_path / "run-next", script.replace('os.mkdir("src/checkout/target"); ', ""),

@@ -368,6 +368,9 @@ def _native_generated(opts: RunOptions, bwrap: str | None, stage: NativeStage, e
         return []
     for reason in native.skipped:
         _say(f"generated tree left to the mount: {reason}")
+    for path in native.absent:
+        _say(f"generated tree {path} does not exist yet: made during this run, it goes through the mount "
+             "(bound natively from the next run on)")
     if not native.trees:
         return []
     masked = len(native.masked_files) + len(native.masked_dirs)
