@@ -157,9 +157,12 @@ class Paths(_Strict):
             "Caches and build output that tools write (bytecode, test and type-checker caches, "
             "installed packages, build directories). Writes there never count toward max_files or "
             "max_rewrites, are not kept for rollback, and never trip the breaker. Inside 'allowed' "
-            "they land in the workspace; outside it they are refused (EROFS) quietly: an event, no "
-            "trip, and nothing reaches the workspace. 'forbidden' and the built-in protections win "
-            "over it. Setting it replaces the default list (see the README); [] turns it off."
+            "they land in the workspace (a literal directory that exists when guard run starts, "
+            "such as '.venv/', is bound natively: see [sandbox] native_generated); outside it they "
+            "land in the run's scratch layer, which the agent sees and the workspace never does "
+            "(without a run directory they are refused quietly: an event, no trip). 'forbidden' and "
+            "the built-in protections win over it. Setting it replaces the default list (see the "
+            "README); [] turns it off."
         ),
     )
     generated_from_gitignore: bool = Field(
@@ -321,6 +324,16 @@ class SandboxSettings(_Strict):
             "(needs allowed patterns anchored at a literal directory, like 'src/checkout/**'). "
             "Faster reads; but a write attempted there is refused by the kernel and never reaches "
             "the breaker, so scope_spill does not see it."
+        ),
+    )
+
+    native_generated: bool = Field(
+        default=True,
+        description=(
+            "Bind each literal directory of paths.generated that exists inside paths.allowed at the "
+            "start natively and writable into the sandbox: installs and builds there run at native "
+            "speed and never reach the breaker (they would not count anyway). Forbidden paths "
+            "inside are masked. false: everything goes through the mount."
         ),
     )
 

@@ -54,6 +54,7 @@ from sandbox.launch.isolation import (
     unbind,
 )
 from sandbox.launch.lanes import LaneStage, plan_lanes
+from sandbox.launch.native import NativeStage, plan_native
 from sandbox.launch.quarantine import Recorder, console, digest
 from sandbox.launch.runs import claim_run_dir, live_run_dirs, registered, remove_stale_stages, stage_prefix
 from sandbox.launch.supervisor import ProcessTree, Spawner, wait_exit
@@ -132,6 +133,8 @@ def run(opts: RunOptions) -> int:
     events = EventLog(run_dir / "events.jsonl", caps=opts.manifest.record)
     lane_stage = LaneStage(stage)
     lane_args = _fast_lanes(opts, bwrap, lane_stage, events)
+    native_stage = NativeStage(stage)
+    lane_args += _native_generated(opts, bwrap, native_stage, events)
     outcome = _Outcome()
     with open(run_dir / "workspace", "w", opener=lambda p, f: os.open(p, f, 0o600)) as marker:
         marker.write(str(opts.workspace))  # for an offline guard rollback
@@ -154,21 +157,28 @@ def run(opts: RunOptions) -> int:
         session.close()
         events.close()
         lane_stage.cleanup()
-        _keep_exec_logs(stage, run_dir)
-        (stage / "unreadable").unlink(missing_ok=True)
-        shutil.rmtree(stage / AGENT_STATE, ignore_errors=True)  # copies of the user's login: not kept
-        with contextlib.suppress(OSError):
-            mnt.rmdir()
-        if stage != run_dir:
-            unbind(str(stage))
-            with contextlib.suppress(OSError):
-                stage.rmdir()
+        native_stage.cleanup()
+        _clear_stage(stage, run_dir)
     _ledger_failure(run_dir, breaker, outcome.failure)  # after the daemon's last write
     status = _exit_status(outcome)
     _summary(opts, breaker, accounting, events, outcome, status)
     if not private:
         _say("(unprivileged run: the mount lived in the host's mount namespace and has been removed)")
     return status
+
+
+def _clear_stage(stage: Path, run_dir: Path) -> None:
+    """Empty and remove the staging directory once the mount is gone; guard exec's logs move
+    into the run directory, the agent's copied login is not kept."""
+    _keep_exec_logs(stage, run_dir)
+    (stage / "unreadable").unlink(missing_ok=True)
+    shutil.rmtree(stage / AGENT_STATE, ignore_errors=True)  # copies of the user's login: not kept
+    with contextlib.suppress(OSError):
+        (stage / "mnt").rmdir()
+    if stage != run_dir:
+        unbind(str(stage))
+        with contextlib.suppress(OSError):
+            stage.rmdir()
 
 
 def _stage(opts: RunOptions) -> tuple[Path, bool]:
@@ -360,6 +370,32 @@ def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: E
         return []
     _say(f"fast lanes (read natively, read-only, not seen by the breaker): {', '.join(lanes.trees)}")
     events.emit("lanes", "", "allow", trees=lanes.trees)
+    return argv
+
+
+def _native_generated(opts: RunOptions, bwrap: str | None, stage: NativeStage, events: EventLog) -> list[str]:
+    """bubblewrap arguments binding the run's in-scope generated directories natively and
+    writable (see sandbox.launch.native), said aloud and recorded as an event."""
+    if not opts.manifest.sandbox.native_generated or bwrap is None:
+        return []  # without the sandbox, nothing is bound: every path goes through the mount
+    try:
+        native = plan_native(opts.manifest, opts.workspace)
+        argv = stage.bwrap_args(native, opts.workspace.resolve(), str(opts.workspace), staged=opts.user is not None)
+    except OSError as err:  # a speed-up only: without it the trees go through the mount
+        stage.cleanup()
+        _say(f"native generated trees are off: {err}; they go through the mount")
+        return []
+    for reason in native.skipped:
+        _say(f"generated tree left to the mount: {reason}")
+    for path in native.absent:
+        _say(f"generated tree {path} does not exist yet: made during this run, it goes through the mount "
+             "(bound natively from the next run on)")
+    if not native.trees:
+        return []
+    masked = len(native.masked_files) + len(native.masked_dirs)
+    _say(f"generated trees (written natively, not seen by the breaker): {', '.join(native.trees)}"
+         + (f"; {masked} forbidden path(s) masked inside" if masked else ""))
+    events.emit("native", "", "allow", trees=native.trees, masked=masked)
     return argv
 
 

@@ -1,0 +1,295 @@
+"""Native generated trees: in-scope build and install directories the agent writes natively.
+
+A literal directory of ``[paths] generated`` (``.venv/``, ``node_modules/``, ``target/``,
+``build/``) that lies inside ``paths.allowed`` and exists when ``guard run`` starts is bound
+from the real workspace, *writable*, over its place in the mounted workspace, inside the
+sandbox only; every forbidden path inside it is masked with an empty, unreadable stand-in
+(as in a fast lane, :mod:`sandbox.launch.lanes`). Landlock already allows writes beneath the
+workspace's path, and the bind lies beneath it. Writing there through FUSE would buy no
+guarantee these trees need: generated writes never count, are not checkpointed and never
+trip; what the mount would still judge there is only the forbidden patterns.
+
+What a native tree keeps: it is the real directory inside the allowed paths, so whatever
+lands there is what would have landed through the mount; forbidden paths that exist at the
+start are masked (neither readable nor replaceable: a mount point cannot be renamed over or
+removed). What it gives up: the guard never hears of these operations (no events, no
+accounting, no rollback, which generated paths do not get anyway), and a forbidden name
+*created* there during the run (by the agent, or by the host) is not judged. A mount point
+cannot be removed, so ``rm -rf .venv`` empties the tree and then fails on the directory
+itself (EBUSY); ``python -m venv --clear .venv`` empties it in place and works (but for a
+masked path, which stays).
+
+A generated directory that does not exist at the start is left to the mount (it is created,
+and written, through FUSE, uncounted); the next run binds it. See the README for why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pathspec
+
+from guardfs.manifest import Manifest
+from guardfs.policy import GUARD_DIR, PathPolicy, Scope
+from sandbox.launch.isolation import unbind
+
+__all__ = ["MAX_MASKS", "MAX_SCAN", "MAX_TREES", "NativeStage", "NativeTrees", "bind_writable", "plan_native"]
+
+#: More forbidden paths than this inside one tree and it stays behind the mount (each mask is a mount).
+MAX_MASKS = 500
+#: Trees bound at most (each is a mount; a default list naming '__pycache__/' may find many).
+MAX_TREES = 64
+#: In-scope directories looked at, at most, to find where an unanchored name ('.venv/') lies.
+MAX_SCAN = 2000
+#: How deep below the root an unanchored name is looked for.
+MAX_DEPTH = 4
+_GLOB = "*?[\\"
+_MS_BIND = 4096
+# A probe deep inside a candidate: the whole tree must be in scope, not only its top.
+_DEEP = "zq7x9/yk3w2.k3w"
+
+
+@dataclass
+class NativeTrees:
+    """Which generated directories go native (writable), what is masked inside, what was left out."""
+
+    trees: list[str] = field(default_factory=list)
+    masked_files: list[str] = field(default_factory=list)
+    masked_dirs: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    absent: list[str] = field(default_factory=list)  # anchored names not there at the start
+
+
+def _literal(patterns: list[str]) -> tuple[set[str], set[str]]:
+    """The literal directory patterns of *patterns*: (anchored paths, names matched at any depth)."""
+    anchored, names = set(), set()
+    for pattern in patterns:
+        if pattern.startswith("!") or any(c in pattern for c in _GLOB):
+            continue  # a negation narrows; a glob names no one directory
+        body = pattern.strip("/")
+        if pattern.startswith("/") or "/" in body:
+            anchored.add(body)
+        else:
+            names.add(body)
+    return anchored, names
+
+
+class _Planner:
+    def __init__(self, manifest: Manifest, root: Path) -> None:
+        self.root = root
+        self.dev = root.stat().st_dev
+        self.policy = PathPolicy(manifest)
+        self.allowed = pathspec.GitIgnoreSpec.from_lines(manifest.paths.allowed)
+        self.out = NativeTrees()
+
+    def in_scope(self, path: str) -> bool:
+        """Whether the directory *path* and everything below it is inside paths.allowed."""
+        return self.allowed.match_file(path + "/") and self.allowed.match_file(f"{path}/{_DEEP}")
+
+    def judge(self, path: str) -> bool:
+        """Whether the existing directory *path* can be bound; says why not in ``skipped``."""
+        parts = path.split("/")
+        if ".git" in parts or parts[0] == GUARD_DIR:
+            self.out.skipped.append(f"{path}: inside a repository's .git/ or the guard's own files")
+        elif (link := _symlinked_parent(self.root, path)) is not None:
+            self.out.skipped.append(f"{path}: {link} is a symlink; it stays behind the mount")
+        elif (self.root / path).lstat().st_dev != self.dev:
+            self.out.skipped.append(f"{path}: another filesystem is mounted there")
+        elif self.policy.classify(path, True).scope is Scope.FORBIDDEN:
+            self.out.skipped.append(f"{path}: forbidden as a whole; it stays behind the mount")
+        else:
+            return self.in_scope(path)  # out of scope: the generated rules (and fast lanes) apply, not this
+        return False
+
+    def find(self, names: set[str]) -> list[str]:
+        """In-scope directories named one of *names*, looked for breadth-first through
+        directories that are in scope or lead to one, at most MAX_DEPTH deep and MAX_SCAN in all."""
+        found: list[str] = []
+        queue, seen = [""], 0
+        while queue and seen < MAX_SCAN:
+            rel = queue.pop(0)
+            seen += 1
+            try:
+                with os.scandir(self.root / rel if rel else self.root) as it:
+                    entries = sorted(it, key=lambda e: e.name)
+            except OSError:
+                continue
+            for entry in entries:
+                path = f"{rel}/{entry.name}" if rel else entry.name
+                if entry.name in (".git", GUARD_DIR) or not entry.is_dir(follow_symlinks=False):
+                    continue
+                if entry.name in names and self.in_scope(path):
+                    found.append(path)  # not descended: the bind covers it
+                elif path.count("/") + 1 < MAX_DEPTH and self._leads_in(path):
+                    queue.append(path)
+        if queue:
+            self.out.skipped.append(f"looked at {MAX_SCAN} directories for {', '.join(sorted(names))}; "
+                                    "deeper ones stay behind the mount")
+        return found
+
+    def _leads_in(self, path: str) -> bool:
+        """Whether anything below directory *path* may be in scope (it is, or an allowed
+        pattern could match beneath it)."""
+        if self.in_scope(path) or self.allowed.match_file(path + "/"):
+            return True
+        return any(not p.startswith("!") and _could_be_under(p, path) for p in self.allowed_patterns)
+
+    @property
+    def allowed_patterns(self) -> list[str]:
+        return list(self.policy.manifest.paths.allowed)
+
+
+def _could_be_under(pattern: str, path: str) -> bool:
+    """Whether gitignore *pattern* may match something below directory *path*."""
+    body = pattern.strip("/")
+    if not pattern.startswith("/") and "/" not in body:
+        return True  # matches at any depth
+    head = body.split("/")
+    for i, part in enumerate(path.split("/")):
+        if i >= len(head):
+            return True
+        if head[i] == "**":
+            return True
+        if any(c in head[i] for c in _GLOB):
+            continue  # a glob component may match this one
+        if head[i] != part:
+            return False
+    return True
+
+
+def plan_native(manifest: Manifest, workspace: Path, max_masks: int = MAX_MASKS) -> NativeTrees:
+    """The native generated trees of *workspace* under *manifest*, with their masks."""
+    root = workspace.resolve()
+    planner = _Planner(manifest, root)
+    out = planner.out
+    anchored, names = _literal(list(getattr(manifest.paths, "generated", [])))
+    candidates: list[str] = []
+    for path in sorted(anchored):
+        try:
+            st = (root / path).lstat()
+        except (FileNotFoundError, NotADirectoryError):
+            if planner.in_scope(path):
+                out.absent.append(path)
+            continue
+        if stat.S_ISDIR(st.st_mode) and planner.judge(path):
+            candidates.append(path)
+    if names:
+        candidates += [p for p in planner.find(names) if planner.judge(p)]
+    for tree in sorted(set(candidates)):
+        if any(tree.startswith(c + "/") for c in candidates):
+            continue  # inside another native tree
+        files, dirs = _masks(root, tree, manifest, max_masks)
+        if files is None or dirs is None:
+            out.skipped.append(f"{tree}: more than {max_masks} forbidden paths inside; it stays behind the mount")
+            continue
+        if len(out.trees) == MAX_TREES:
+            out.skipped.append(f"{tree}: more than {MAX_TREES} generated trees; it and the rest stay behind the mount")
+            break
+        out.trees.append(tree)
+        out.masked_files += files
+        out.masked_dirs += dirs
+    return out
+
+
+def _symlinked_parent(root: Path, path: str) -> str | None:
+    """The first component of *path* (itself included) that is a symlink, if any."""
+    parts = path.split("/")
+    for i in range(1, len(parts) + 1):
+        if (root / "/".join(parts[:i])).is_symlink():
+            return "/".join(parts[:i])
+    return None
+
+
+def _masks(root: Path, tree: str, manifest: Manifest, limit: int) -> tuple[list[str] | None, list[str] | None]:
+    """Forbidden files and directories under *tree*; (None, None) past *limit*. Symlinks are
+    left: they resolve through the sandbox's own view, where their targets are judged.
+
+    Matched against ``paths.forbidden`` alone, which is all that makes a path forbidden
+    outside ``.git`` (PathPolicy.classify, ten times slower here, says the same): an
+    install tree can hold tens of thousands of files, walked at every start."""
+    forbidden = pathspec.GitIgnoreSpec.from_lines(manifest.paths.forbidden)
+    files: list[str] = []
+    dirs: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root / tree):
+        rel = os.path.relpath(dirpath, root)
+        keep = []
+        for name in dirnames:
+            path = f"{rel}/{name}"
+            if os.path.islink(os.path.join(dirpath, name)):
+                continue
+            if forbidden.match_file(path + "/"):
+                dirs.append(path)
+            else:
+                keep.append(name)
+        dirnames[:] = keep
+        for name in filenames:
+            path = f"{rel}/{name}"
+            if forbidden.match_file(path) and not os.path.islink(os.path.join(dirpath, name)):
+                files.append(path)
+        if len(files) + len(dirs) > limit:
+            return None, None
+    return files, dirs
+
+
+def bind_writable(source: str, target: str) -> None:
+    """Bind *source* at *target*, writable, in this process's (private) mount namespace."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(source.encode(), target.encode(), None, _MS_BIND, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"binding {source} at {target}: {os.strerror(err)}")
+
+
+class NativeStage:
+    """What bubblewrap binds from: the masks (an empty file and directory, mode 000, of their
+    own so that fast lanes and native trees clean up independently) and, for an agent of
+    another user who may not traverse the path to the real workspace, each tree bound into
+    the staging directory first (in the guard's private mount namespace)."""
+
+    def __init__(self, stage: Path) -> None:
+        self.stage = stage
+        self.mask_file, self.mask_dir = stage / "native-mask-file", stage / "native-mask-dir"
+        self.staged: list[Path] = []
+
+    def bwrap_args(self, native: NativeTrees, real: Path, seen_as: str, staged: bool) -> list[str]:
+        """bubblewrap arguments: each tree of the real workspace *real* bound writable at its
+        place under *seen_as*, then the masks over the forbidden paths inside it."""
+        if not native.trees:
+            return []
+        argv: list[str] = []
+        for i, tree in enumerate(native.trees):
+            source = real / tree
+            if staged:
+                target = self.stage / "native" / str(i)
+                target.mkdir(parents=True)
+                self.staged.append(target)
+                bind_writable(str(source), str(target))
+                source = target
+            argv += ["--bind", str(source), f"{seen_as}/{tree}"]
+        if native.masked_dirs or native.masked_files:
+            self.mask_file.touch()
+            self.mask_dir.mkdir(exist_ok=True)
+            self.mask_file.chmod(0)
+            self.mask_dir.chmod(0)
+        for path in native.masked_dirs:
+            argv += ["--ro-bind", str(self.mask_dir), f"{seen_as}/{path}"]
+        for path in native.masked_files:
+            argv += ["--ro-bind", str(self.mask_file), f"{seen_as}/{path}"]
+        return argv
+
+    def cleanup(self) -> None:
+        """Remove the masks and the staged trees (unmounted first)."""
+        for target in self.staged:
+            unbind(str(target))
+            with contextlib.suppress(OSError):
+                target.rmdir()
+        self.staged.clear()
+        with contextlib.suppress(OSError):
+            (self.stage / "native").rmdir()
+        self.mask_file.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.mask_dir.rmdir()
