@@ -75,11 +75,12 @@ def test_plan_leaves_forbidden_and_crowded_trees_to_the_mount(tmp_path: Path) ->
     assert "src/checkout/.venv: more than 3 forbidden paths inside" in "\n".join(plan.skipped)
 
 
-def test_plan_needs_a_generated_list(tmp_path: Path) -> None:
+def test_plan_binds_nothing_with_generated_off_and_the_defaults_by_default(tmp_path: Path) -> None:
     ws = tree(tmp_path / "ws")
-    bare = NATIVE.replace('generated = [".venv/", "node_modules/", "/src/checkout/build/", "target/", "*.egg-info/"]\n',
-                          "")
-    assert plan_native(parse_manifest(bare), ws).trees == []
+    line = 'generated = [".venv/", "node_modules/", "/src/checkout/build/", "target/", "*.egg-info/"]\n'
+    assert plan_native(parse_manifest(NATIVE.replace(line, "generated = []\n")), ws).trees == []
+    defaults = plan_native(parse_manifest(NATIVE.replace(line, "")), ws).trees
+    assert "src/checkout/.venv" in defaults  # .venv/ is one of the default generated names
 
 
 def test_plan_finds_unanchored_names_in_scope_within_its_bounds(
