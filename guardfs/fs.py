@@ -98,6 +98,14 @@ def _apply_mode(created: int, wanted: int, chmod: Callable[[int], None]) -> None
         chmod(mode)
 
 
+def _settable_mode(wanted: int, is_dir: bool) -> int:
+    """The permission bits a chmod through the mount may set: never set-user-ID, and
+    set-group-ID on directories only (group inheritance). A root agent could otherwise leave
+    a set-user-ID root program in the workspace for the next local user to run."""
+    mode = stat.S_IMODE(wanted) & ~stat.S_ISUID
+    return mode if is_dir else mode & ~stat.S_ISGID
+
+
 def _join(parent: str, name: str) -> str:
     return f"{parent}/{name}" if parent else name
 
@@ -438,7 +446,7 @@ class GuardFS(pyfuse3.Operations):
                 raise FUSEError(errno.EOPNOTSUPP)
             fd, proc = self.backing.proc_path(path)
             try:
-                os.chmod(proc, stat.S_IMODE(attr.st_mode))
+                os.chmod(proc, _settable_mode(attr.st_mode, stat.S_ISDIR(st.st_mode)))
             finally:
                 os.close(fd)
         if path == "":

@@ -221,3 +221,16 @@ def test_read_only_profile_refuses_every_write(tmp_path: Path) -> None:
         refused(lambda: os.mkdir(g.mnt / "src/checkout/new"), errno.EROFS)
         assert (g.mnt / "src/checkout/tax.py").read_text().startswith("def rate")
         assert snapshot(g.backing) == before
+
+
+def test_chmod_through_the_mount_never_sets_set_user_id(workspace: Guarded) -> None:
+    """A setuid program the agent leaves in the workspace would run as its owner (root, for a
+    root agent) for the next local user: the mount drops S_ISUID, and S_ISGID off directories."""
+    program = workspace.mnt / "src/checkout/tool"
+    program.write_text("#!/bin/sh\n")
+    os.chmod(program, 0o6755)  # noqa: S103 - what a hostile agent asks for
+    assert oct(os.stat(workspace.backing / "src/checkout/tool").st_mode & 0o7777) == oct(0o755)
+    shared = workspace.mnt / "src/checkout/shared"
+    shared.mkdir()
+    os.chmod(shared, 0o6775)  # noqa: S103 - what a hostile agent asks for
+    assert oct(os.stat(workspace.backing / "src/checkout/shared").st_mode & 0o7777) == oct(0o2775)
