@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from guardfs.signature import MAX_ANALYSED_BYTES, Change, analyse, content_hash, units_of
@@ -60,6 +61,9 @@ class RewritePlan:
     change: Change | None
     born: Change | None = None  # the creation's units, counted now (creation_pending)
     unchanged: bool = False  # the content is what it was: a write that changed nothing
+    # The content is the version git had committed for the path when the run started (a
+    # `git stash`, `git checkout -- path`): a revert, not a cycle; the history restarts there.
+    restart: bool = False
 
     @property
     def peak(self) -> tuple[str, int] | None:
@@ -82,8 +86,11 @@ class WriteSession:
 class WriteAccounting:
     """Counters for the files an agent mutates during one run."""
 
-    def __init__(self) -> None:
+    def __init__(self, committed: Callable[[str, bytes], bool] | None = None) -> None:
         self.files: dict[str, FileRecord] = {}
+        #: Whether content is the version git had committed for a path at the start (see
+        #: guardfs.gitscope.GitScope.committed_version); None: no repository to ask.
+        self.committed = committed
 
     @property
     def distinct(self) -> int:
@@ -128,7 +135,11 @@ class WriteAccounting:
         history = rec.hashes or ([content_hash(old)] if old is not None else [])
         cycle = new_hash is not None and new_hash in history[:-1] and new_hash != history[-1]
         unchanged = new_hash is not None and bool(history) and new_hash == history[-1]
-        return RewritePlan(path, counts, new_hash, cycle, change, born, unchanged)
+        # Back to what git committed at the start: git restoring it (stash, checkout, reset)
+        # or the agent undoing its edit. Not an oscillation of the agent's: each flip still
+        # counts a rewrite of what it changes, so flip-flops stay bounded by max_rewrites.
+        restart = cycle and new is not None and self.committed is not None and self.committed(path, new)
+        return RewritePlan(path, counts, new_hash, cycle and not restart, change, born, unchanged, restart)
 
     def commit_rewrite(self, plan: RewritePlan, old: bytes | None) -> None:
         """Record a rewrite that was allowed and performed (scratch files are not tracked)."""
@@ -149,7 +160,9 @@ class WriteAccounting:
         rec.rewrites += 1
         # The history holds committed versions: a write that left the content as it was
         # adds none (so A, B, B, A is the cycle A, B, A).
-        if plan.new_hash is not None and not (rec.hashes and rec.hashes[-1] == plan.new_hash):
+        if plan.restart and plan.new_hash is not None:
+            rec.hashes = [plan.new_hash]
+        elif plan.new_hash is not None and not (rec.hashes and rec.hashes[-1] == plan.new_hash):
             rec.hashes.append(plan.new_hash)
 
     def forget_scratch(self, path: str) -> None:

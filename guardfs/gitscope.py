@@ -186,6 +186,19 @@ class GitScope:
         finally:
             os.close(dir_fd)
 
+    def committed_version(self, path: str, data: bytes) -> bool:
+        """Whether *data* is what git held for *path* when the run started (its blob in the
+        index or in HEAD's tree): what ``git stash`` or ``git checkout -- path`` puts back."""
+        if not self._start_index and self._head_tree is None:
+            return False
+        blob = _blob_id(data)
+        if any(sha == blob for _mode, sha in self._start_index.get(path, ())):
+            return True
+        try:
+            return any(sha == blob for _mode, sha in self._head_value(self._store(), path))
+        except (OSError, ValueError):
+            return False
+
     # ----- judging an update -------------------------------------------------------
 
     def judge_rename(
