@@ -39,7 +39,14 @@ from guardfs.inodes import Entry, InodeTable
 from guardfs.links import forbidden_links
 from guardfs.manifest import Manifest
 from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope, is_git_state
-from guardfs.rename import check_carried, check_config_landing, check_git_update, plan_rename
+from guardfs.rename import (
+    check_carried,
+    check_config_landing,
+    check_git_landing,
+    check_git_update,
+    check_git_write,
+    plan_rename,
+)
 from guardfs.sessions import OpenFile, WriteSessions, invalidate_later
 from guardfs.virtual import GuardNode, default_state
 
@@ -484,7 +491,7 @@ class GuardFS(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         """Create a symlink; only its own name is judged, the kernel judges what it reaches."""
         _, path = self._child(parent_inode, name)
-        where = self._where(path, None, False)
+        where = self.policy.symlink_where(path, self._where(path, None, False))
         return await self._created(
             "symlink", path, where, ctx, lambda d, n: os.symlink(os.fsdecode(target), n, dir_fd=d)
         )
@@ -588,6 +595,12 @@ class GuardFS(pyfuse3.Operations):
             entry = self.inodes.get(self.inodes.fuse_ino(src_st.st_ino))
             writers = entry is not None and any(self._files[fd].writable for fd in entry.handles)
             await check_config_landing(self.gate, self.backing, request, (src, src_st), exchange, writers)
+        for name, where, other, other_st in ((dst, dst_where, src, src_st), (src, request.where, dst, dst_st)):
+            if where.scope is Scope.GIT_CHECKED and other_st is not None and (name == dst or exchange):
+                entry = self.inodes.get(self.inodes.fuse_ino(other_st.st_ino))
+                writers = entry is not None and any(self._files[fd].writable for fd in entry.handles)
+                check_git_landing(self.gate, self.backing, self.gitscope, request, (other, other_st), (name, where),
+                                  writers)
         if self.gitscope is not None:
             def held() -> bool:
                 return any(f.writable and f.entry.path in (src, dst) for f in self._files.values())
@@ -707,7 +720,10 @@ class GuardFS(pyfuse3.Operations):
     async def write(self, fh: pyfuse3.FileHandleT, off: int, buf: bytes) -> int:
         """Write; the first write of a session, the first after a truncation and any write
         that could oscillate are judged before they land."""
-        self.sessions.before_write(self._files[fh], off, buf)
+        f = self._files[fh]
+        if f.entry.where.scope is Scope.GIT_CHECKED:
+            check_git_write(self.gate, self.backing, self.gitscope, f.entry.where, f.entry.path, off, buf)
+        self.sessions.before_write(f, off, buf)
         return os.pwrite(fh, buf, off)
 
     @_fuse_errors

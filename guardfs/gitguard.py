@@ -15,7 +15,14 @@ is policed by the role of each name in it, not by the name ``.git/hooks`` alone:
 - ``config`` and ``config.worktree`` that existed when the guard started are read-only;
   those of a repository made during the run are written only the way git writes them (a
   lock file renamed over them), and that rename is refused when the new configuration
-  sets anything that executes (:func:`config_problems`, which parses with git itself).
+  sets anything that executes (:func:`config_problems`, which parses with git itself);
+- a gitfile (a ``.git`` that is a file) and a linked worktree's ``gitdir`` and ``commondir``
+  point git at another git directory: git writes them in place, and each write is judged on
+  the content it leaves (guardfs.rename.check_git_link): a gitfile may name only a policed
+  git directory inside the workspace (a ``.git``, or ``.git/worktrees/<id>``,
+  ``.git/modules/<name>``), a ``commondir`` only its own repository;
+- a file named ``HEAD`` outside any ``.git`` directory would make its directory a bare
+  repository, whose config and hooks no name gives away: it is refused.
 
 Pure functions of paths and bytes; the filesystem calls them (see guardfs.fs).
 """
@@ -28,11 +35,14 @@ import os
 import subprocess
 
 __all__ = [
+    "GITFILE_PREFIX",
     "MAX_CONFIG_BYTES",
     "GitConfigError",
     "GitRole",
     "config_problems",
     "git_role",
+    "gitdir_target_ok",
+    "link_value",
     "parse_config",
 ]
 
@@ -87,6 +97,35 @@ class GitRole(enum.Enum):
     HOOK = "hook"  # a file under hooks/ that git would run
     REDIRECT = "redirect"  # commondir, info/attributes, objects/info/alternates
     CONFIG = "config"  # config or config.worktree
+    LINK = "link"  # a linked worktree's gitdir or commondir: written by git, judged by content
+    BARE = "bare"  # a HEAD outside any .git directory: it would make a bare repository
+
+
+#: What a gitfile (a ``.git`` that is a file: a linked worktree's, a submodule's) says.
+GITFILE_PREFIX = b"gitdir: "
+#: Where a gitfile may point, below a ``.git`` directory: a linked worktree's or a
+#: submodule's git directory (whose config, hooks and commondir are policed by name).
+_LINK_DIRS = frozenset({"worktrees", "modules"})
+_NOT_A_GITDIR = _DATA | {"hooks", "info"}
+
+
+def link_value(data: bytes) -> str:
+    """The path a gitfile (after ``gitdir: ``), a worktree's ``gitdir`` or its ``commondir``
+    holds, as git reads it: trailing CR/LF dropped, cut at a NUL."""
+    value = data.rstrip(b"\r\n").split(b"\0", 1)[0]
+    return os.fsdecode(value)
+
+
+def gitdir_target_ok(rel: str) -> bool:
+    """Whether the workspace-relative directory *rel* is one a gitfile may name: a ``.git``
+    directory, or a linked worktree's or submodule's git directory below one."""
+    parts = rel.split("/")
+    if ".git" not in parts:
+        return False
+    below = parts[len(parts) - 1 - parts[::-1].index(".git") + 1:]
+    if not below:
+        return True
+    return below[0] in _LINK_DIRS and len(below) >= 2 and not any(p in _NOT_A_GITDIR for p in below)
 
 
 def git_role(path: str) -> tuple[GitRole, str] | None:
@@ -95,6 +134,8 @@ def git_role(path: str) -> tuple[GitRole, str] | None:
     its sample hooks, files outside any ``.git``)."""
     split = _split(path)
     if split is None:
+        if path.rpartition("/")[2] == "HEAD":
+            return GitRole.BARE, "HEAD"
         return None
     rel = split
     if not rel:
@@ -113,6 +154,8 @@ def git_role(path: str) -> tuple[GitRole, str] | None:
         return GitRole.REDIRECT, "/".join(tail)
     if data < len(rel):
         return None
+    if len(rel) >= 3 and rel[-3] == "worktrees" and rel[-1] in ("gitdir", "commondir"):
+        return GitRole.LINK, rel[-1]
     if rel[-1] == "commondir":
         return GitRole.REDIRECT, "commondir"
     if rel[-2:] == ["info", "attributes"]:

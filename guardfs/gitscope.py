@@ -28,6 +28,7 @@ import hashlib
 import io
 import logging
 import os
+import re
 import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -56,6 +57,9 @@ REFS = ".git/refs"
 _GIT_STATE = Classification(Scope.PROTECTED, "built-in: git's index and refs change only through their lock files")
 #: Objects a check follows at most (tag chains, nested trees): a bound on the guard's work.
 _MAX_PEEL = 16
+#: Reflog bytes read at the start for the commits they already name.
+_MAX_LOG_BYTES = 64 << 20
+_SHA = re.compile(rb"\b[0-9a-f]{40}\b")
 
 # What a path holds in an index or a tree: () when absent, one (mode, sha) when staged,
 # several when a merge left it conflicted.
@@ -90,6 +94,9 @@ class GitScope:
         self._start_index: dict[str, _Value] = {}
         self._head_tree: ObjectID | None = None
         self._start_refs: set[bytes] = set()
+        # Commits a new reflog line or FETCH_HEAD may name without a check: those the
+        # reflogs and FETCH_HEAD named at the start, and those already judged in scope.
+        self._named: set[bytes] = set()
         self.tracked_forbidden: list[str] = []
         if os.path.isdir(self._git):
             self._snapshot()
@@ -121,6 +128,22 @@ class GitScope:
         self.tracked_forbidden = sorted(
             p for p in tracked if self.policy.classify(p, False).scope is Scope.FORBIDDEN
         )
+        self._named = set(self._start_refs)
+        budget = _MAX_LOG_BYTES
+        logs = [os.path.join(self._git, "FETCH_HEAD")] + [
+            os.path.join(d, n) for d, _dirs, names in os.walk(os.path.join(self._git, "logs")) for n in names]
+        for path in logs:
+            try:
+                with open(path, "rb") as f:
+                    data = f.read(budget)
+            except OSError:
+                continue
+            budget -= len(data)
+            self._named.update(_SHA.findall(data))
+            if budget <= 0:
+                log.warning("git scope: reflogs larger than %d bytes; lines naming older commits are judged "
+                            "like new ones", _MAX_LOG_BYTES)
+                break
 
     def _loose_refs(self) -> dict[str, bytes]:
         out: dict[str, bytes] = {}
@@ -198,6 +221,29 @@ class GitScope:
             return any(sha == blob for _mode, sha in self._head_value(self._store(), path))
         except (OSError, ValueError):
             return False
+
+    def log_problem(self, kind: str, data: bytes) -> str | None:
+        """What is wrong with the lines *data* of a reflog or FETCH_HEAD (*kind*), or None:
+        every commit they name (a reflog line's old and new value, FETCH_HEAD's first field)
+        is judged as a ref moved to it would be, since ``git reset --hard HEAD@{1}``, ``git
+        stash pop`` or ``git merge FETCH_HEAD`` on the host would check it out."""
+        store: DiskObjectStore | None = None
+        for line in data.splitlines():
+            fields = line.split(b"\t", 1)[0].split(b" ")
+            for sha in fields[:2] if kind == "reflog" else fields[:1]:
+                if not _SHA.fullmatch(sha) or sha in self._named or sha.strip(b"0") == b"":
+                    continue
+                store = store or self._store()
+                try:
+                    change = self._judge_commit(store, sha)
+                except (OSError, ValueError, KeyError, NotTreeError, AssertionError) as err:
+                    return f"it names {sha.decode()}, which the guard cannot read ({err})"
+                if change is not None:
+                    what = "forbidden" if change.where.scope is Scope.FORBIDDEN else "outside the task's scope"
+                    return (f"it names commit {sha.decode()}, which changes {change.path} ({what}: "
+                            f"{change.where.describe()})")
+                self._named.add(sha)
+        return None
 
     # ----- judging an update -------------------------------------------------------
 

@@ -16,7 +16,8 @@ import pathspec
 from guardfs.gitguard import GitRole, git_role
 from guardfs.manifest import Manifest
 
-__all__ = ["GIT_GUARDED_RULE", "GUARD_DIR", "Classification", "PathPolicy", "Scope", "is_git_state"]
+__all__ = ["GIT_CHECKED_RULE", "GIT_GUARDED_RULE", "GUARD_DIR", "Classification", "PathPolicy", "Scope",
+           "git_log_kind", "is_git_state"]
 
 #: The guard's own directory at the workspace root; never writable by the agent.
 GUARD_DIR = ".guard"
@@ -29,13 +30,30 @@ _REDIRECT_RULE = "built-in: git files that point git elsewhere are read-only"
 #: The rule of a repository's config made during the run: git may write it, checked.
 GIT_GUARDED_RULE = "built-in: a git config that runs programs"
 _GIT_STATE_RULE = "built-in: git's index and refs change only by renaming their lock files over them"
+#: The rule of a gitfile, a worktree's gitdir/commondir, FETCH_HEAD and reflogs: written in
+#: place by git, each write judged on the content it leaves.
+GIT_CHECKED_RULE = "built-in: git files that name other git directories or commits"
+_BARE_RULE = ("built-in: a HEAD outside a .git directory would make a bare repository, whose config "
+              "and hooks the guard cannot tell by name; make repositories with git init (a .git directory)")
+_GIT_LINK_RULE = "built-in: git never makes symlinks inside its git directory"
 
 
 def is_git_state(path: str) -> bool:
     """Whether *path* is a file git only ever replaces by renaming a lock file over it: the
     index, HEAD, packed-refs or a ref under refs/ (see guardfs.gitscope)."""
-    return path in (".git/index", ".git/HEAD", ".git/packed-refs") or (
+    return path in (".git/index", ".git/HEAD", ".git/packed-refs", ".git/ORIG_HEAD") or (
         path.startswith(".git/refs/") and not path.endswith(".lock"))
+
+
+def git_log_kind(path: str) -> str | None:
+    """"FETCH_HEAD" or "reflog" for the workspace repository's files that name commits a
+    later ``git merge FETCH_HEAD`` or ``git reset --hard HEAD@{1}`` / ``git stash pop``
+    would check out, and that git writes in place (appends) rather than by a lock rename."""
+    if path == ".git/FETCH_HEAD":
+        return "FETCH_HEAD"
+    if path.startswith(".git/logs/"):
+        return "reflog"
+    return None
 
 
 class Scope(enum.Enum):
@@ -46,6 +64,7 @@ class Scope(enum.Enum):
     GIT_CONFIG = "git-config"  # a repository's config that existed when the guard started: read-only
     GIT_ANCHOR = "git-anchor"  # a .git or hooks directory: mkdir/rmdir only, never moved or linked
     GIT_GUARDED = "git-guarded"  # a config made during the run: replaced only by a checked rename
+    GIT_CHECKED = "git-checked"  # a gitfile, gitdir, commondir, FETCH_HEAD, reflog: every write judged
     GIT_INTERNAL = "git-internal"  # writable, never counted toward limits
     ALLOWED = "allowed"  # writable, counted
     OUT_OF_SCOPE = "out-of-scope"  # readable, not writable
@@ -114,10 +133,13 @@ class PathPolicy:
             return Classification(
                 Scope.FORBIDDEN, "paths.forbidden", self.manifest.paths.forbidden[hit.index]
             )
-        role = git_role(path) if ".git" in path else None
+        role = git_role(path) if ".git" in path or path.endswith("HEAD") else None
         if path == ".git" or path.startswith(".git/"):
-            if self.git_state_locked and self._git_writable and not is_dir and is_git_state(path):
-                return Classification(Scope.PROTECTED, _GIT_STATE_RULE)
+            if self.git_state_locked and self._git_writable and not is_dir:
+                if is_git_state(path):
+                    return Classification(Scope.PROTECTED, _GIT_STATE_RULE)
+                if (kind := git_log_kind(path)) is not None:
+                    return Classification(Scope.GIT_CHECKED, GIT_CHECKED_RULE, kind)
             base = self._git_internal()
         else:
             base = self._by_allowed(path, probe, is_dir)
@@ -128,8 +150,14 @@ class PathPolicy:
     def _git(self, path: str, is_dir: bool, role: tuple[GitRole, str], base: Classification) -> Classification:
         """A name with a role in a repository: narrowed from its writable *base*."""
         kind, name = role
+        if kind is GitRole.ANCHOR and name == ".git" and not is_dir:
+            return Classification(Scope.GIT_CHECKED, GIT_CHECKED_RULE, "gitfile")
         if kind is GitRole.ANCHOR:
             return Classification(Scope.GIT_ANCHOR, _ANCHOR_RULE, name)
+        if kind is GitRole.LINK:
+            return Classification(Scope.GIT_CHECKED, GIT_CHECKED_RULE, name)
+        if kind is GitRole.BARE:
+            return base if is_dir else Classification(Scope.PROTECTED, _BARE_RULE)
         if kind is GitRole.HOOK:
             return Classification(Scope.PROTECTED, _HOOKS_RULE)
         if kind is GitRole.REDIRECT:
@@ -146,6 +174,15 @@ class PathPolicy:
         any change moves it on)."""
         if where.scope is Scope.GIT_GUARDED and ctime_ns <= self.started_ns:
             return Classification(Scope.GIT_CONFIG, _NESTED_CONFIG_RULE)
+        if where.scope is Scope.GIT_CHECKED and where.pattern in _LINK_KINDS and ctime_ns <= self.started_ns:
+            return Classification(Scope.PROTECTED, _REDIRECT_RULE, where.pattern)
+        return where
+
+    def symlink_where(self, path: str, where: Classification) -> Classification:
+        """*where* for a symlink made at *path*: none inside a git directory (git makes none,
+        and one there could later redirect what a gitfile names)."""
+        if where.scope is not Scope.FORBIDDEN and ".git" in path.split("/")[:-1]:
+            return Classification(Scope.PROTECTED, _GIT_LINK_RULE)
         return where
 
     def _by_allowed(self, path: str, probe: str, is_dir: bool) -> Classification:
@@ -210,6 +247,10 @@ class PathPolicy:
             f"  on_terminal                  {m.breaker.on_terminal}",
         ]
         return "\n".join(lines)
+
+
+#: GIT_CHECKED kinds that point at a git directory (the others name commits).
+_LINK_KINDS = frozenset({"gitfile", "gitdir", "commondir"})
 
 
 def _literal_ancestors(patterns: list[str]) -> frozenset[str]:
