@@ -491,7 +491,7 @@ class GuardFS(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         """Create a symlink; only its own name is judged, the kernel judges what it reaches."""
         _, path = self._child(parent_inode, name)
-        where = self.policy.symlink_where(path, self._where(path, None, False))
+        where = self.policy.symlink_where(path, self._where(path, None, False), os.fsdecode(target))
         return await self._created(
             "symlink", path, where, ctx, lambda d, n: os.symlink(os.fsdecode(target), n, dir_fd=d)
         )

@@ -33,6 +33,7 @@ import enum
 import fnmatch
 import os
 import subprocess
+from collections.abc import Callable
 
 __all__ = [
     "GITFILE_PREFIX",
@@ -204,11 +205,14 @@ def _executes(key: str, value: str | None) -> bool:
     return sub.lower().startswith("ext::") or (value is not None and value.lower().lstrip().startswith("ext::"))
 
 
-def config_problems(data: bytes) -> list[str]:
+def config_problems(data: bytes, worktree_ok: Callable[[str], bool] | None = None) -> list[str]:
     """The keys of the configuration *data* that would make git run a program, or read
-    configuration from elsewhere; a configuration git cannot parse is one problem."""
+    configuration from elsewhere; a configuration git cannot parse is one problem.
+    ``core.worktree`` (a submodule's git directory names its work tree) is no problem where
+    *worktree_ok* accepts its value."""
     try:
         entries = parse_config(data)
     except GitConfigError as err:
         return [f"unparsable configuration ({err})"]
-    return sorted({key for key, value in entries if _executes(key, value)})
+    return sorted({key for key, value in entries if _executes(key, value) and not (
+        key == "core.worktree" and value is not None and worktree_ok is not None and worktree_ok(value))})

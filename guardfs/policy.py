@@ -35,7 +35,9 @@ _GIT_STATE_RULE = "built-in: git's index and refs change only by renaming their 
 GIT_CHECKED_RULE = "built-in: git files that name other git directories or commits"
 _BARE_RULE = ("built-in: a HEAD outside a .git directory would make a bare repository, whose config "
               "and hooks the guard cannot tell by name; make repositories with git init (a .git directory)")
-_GIT_LINK_RULE = "built-in: git never makes symlinks inside its git directory"
+_GIT_LINK_RULE = "built-in: a symlink inside a git directory names a sibling only (git's own probe does)"
+_NESTED_INTERNAL_RULE = "built-in: a nested repository's git internals (writable, not counted)"
+_GIT_DATA_DIRS = frozenset({"refs", "logs", "objects", "hooks", "info"})
 
 
 def is_git_state(path: str) -> bool:
@@ -143,6 +145,10 @@ class PathPolicy:
             base = self._git_internal()
         else:
             base = self._by_allowed(path, probe, is_dir)
+            if base.scope is Scope.ALLOWED and ".git" in path and ".git" in path.split("/")[:-1]:
+                # Inside a nested repository's git directory: git's own bookkeeping (its
+                # index, objects, refs), never the agent's rewrites; names with a role below.
+                base = Classification(Scope.GIT_INTERNAL, _NESTED_INTERNAL_RULE)
         if role is None or base.scope not in (Scope.ALLOWED, Scope.GIT_INTERNAL):
             return base  # a repository inside a read-only tree is as read-only as the tree
         return self._git(path, is_dir, role, base)
@@ -178,10 +184,13 @@ class PathPolicy:
             return Classification(Scope.PROTECTED, _REDIRECT_RULE, where.pattern)
         return where
 
-    def symlink_where(self, path: str, where: Classification) -> Classification:
-        """*where* for a symlink made at *path*: none inside a git directory (git makes none,
-        and one there could later redirect what a gitfile names)."""
-        if where.scope is not Scope.FORBIDDEN and ".git" in path.split("/")[:-1]:
+    def symlink_where(self, path: str, where: Classification, target: str) -> Classification:
+        """*where* for a symlink to *target* made at *path*: inside a git directory only one
+        naming a sibling that is no git data (git init probes symlinks with one to
+        "testing"); any other could later redirect what a gitfile names."""
+        if where.scope is Scope.FORBIDDEN or ".git" not in path.split("/")[:-1]:
+            return where
+        if "/" in target or target in ("", ".", "..") or target in _GIT_DATA_DIRS:
             return Classification(Scope.PROTECTED, _GIT_LINK_RULE)
         return where
 

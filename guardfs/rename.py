@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import trio
 
-from guardfs.backing import Backing, openat2
+from guardfs.backing import Backing
 from guardfs.decision import ERRNO_READ_ONLY, Request, Verdict
 from guardfs.gate import Commit, Gate
 from guardfs.gitguard import GITFILE_PREFIX, MAX_CONFIG_BYTES, config_problems, gitdir_target_ok, link_value
@@ -121,7 +121,16 @@ async def check_config_landing(
         data = os.pread(fd, MAX_CONFIG_BYTES + 1, 0)
     finally:
         os.close(fd)
-    problems = await trio.to_thread.run_sync(config_problems, data)
+    policy = gate.policy
+    gitdir = (dst or "").rpartition("/")[0]
+
+    def worktree_ok(value: str) -> bool:
+        # A submodule's work tree: inside the workspace, where the agent may write anyway
+        # (what git later checks out there, the agent could have written itself).
+        rel = _beneath(backing.root, gitdir, value)
+        return rel is not None and policy.classify(rel, True).scope is Scope.ALLOWED
+
+    problems = await trio.to_thread.run_sync(config_problems, data, worktree_ok)
     if problems:
         refuse(f"the new config sets {', '.join(problems)}, which would make git run a program (or read "
                "configuration from elsewhere) on the host when someone next uses this repository; "
@@ -147,8 +156,14 @@ def check_git_update(
 
 def link_problem(backing: Backing, path: str, kind: str, data: bytes) -> str | None:
     """What is wrong with *data* as the content of the gitfile, worktree ``gitdir`` or
-    ``commondir`` *path* (its *kind*), or None: each may name only a git directory the guard
-    polices, inside the workspace, reached without symlinks (so none can be swapped in later)."""
+    ``commondir`` *path* (its *kind*), or None.
+
+    Each may name only a git directory the guard polices, inside the workspace, along a path
+    nothing can later turn into a symlink: ``..`` only leading (so the lexical path is the
+    real one), a gitfile's repository an ancestor of the gitfile (a directory that cannot go
+    while the gitfile is in it), and below ``.git`` no symlinks (PathPolicy.symlink_where).
+    The directory need not exist yet (``git clone --separate-git-dir`` writes the gitfile first).
+    """
     if len(data) > MAX_LINK_BYTES:
         return f"{len(data)} bytes, more than any git {kind} ({MAX_LINK_BYTES})"
     if kind == "gitfile":
@@ -161,46 +176,47 @@ def link_problem(backing: Backing, path: str, kind: str, data: bytes) -> str | N
     base = path.rpartition("/")[0]
     rel = _beneath(backing.root, base, value)
     if rel is None:
-        return f"it names {value!r}, outside the workspace"
+        return f"it names {value!r}, outside the workspace (or through '..' after a name)"
     if kind == "gitdir":
         # The work tree's .git file (git writes its absolute path before creating it).
-        if rel.rpartition("/")[2] != ".git" or ".." in value.split("/"):
+        if rel.rpartition("/")[2] != ".git":
             return f"it names {value!r}, not the .git file of a work tree inside the workspace"
         return None
-    try:
-        fd = openat2(backing.root_fd, rel or ".", os.O_PATH | os.O_DIRECTORY)
-    except OSError:
-        return f"it names {value!r}, not a directory reached without symlinks inside the workspace"
-    try:
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
     if kind == "commondir":
         own = base.rpartition("/")[0].rpartition("/")[0]  # <gitdir>/worktrees/<id> -> <gitdir>
-        if (st.st_dev, st.st_ino) != _dir_id(backing, own):
-            return f"it names {value!r}, not its own repository {own}"
-        return None
+        return None if rel == own else f"it names {value!r}, not its own repository {own}"
     if not gitdir_target_ok(rel):
         return (f"it names {rel or '.'}, which is not a repository's .git directory, nor a linked worktree's "
                 "or submodule's git directory below one (.git/worktrees/<id>, .git/modules/<name>)")
+    parts = rel.split("/")
+    repo = "/".join(parts[:len(parts) - 1 - parts[::-1].index(".git")])
+    if repo and base != repo and not base.startswith(repo + "/"):
+        return (f"it names {rel}, the git directory of {repo}, which does not contain {base}: a worktree or "
+                "submodule of a nested repository lives inside that repository's own directory")
     return None
 
 
 def _beneath(root: str, base: str, value: str) -> str | None:
-    """*value* (relative to *base*, or absolute) as a workspace-relative path, lexically
-    normalised; None if it leaves the workspace *root*."""
+    """*value* (relative to *base*, or absolute) as a workspace-relative path; None if it
+    leaves the workspace *root*, or has a '..' after a name or a '.' (where the lexical
+    path and the real one could differ)."""
+    parts = value.split("/")
     if value.startswith("/"):
         for top in {os.path.abspath(root), os.path.realpath(root)}:
             if value == top or value.startswith(top.rstrip("/") + "/"):
-                rel = os.path.normpath(value[len(top):].lstrip("/") or ".")
+                parts = value[len(top):].split("/")
+                base = ""
                 break
         else:
             return None
-    else:
-        rel = os.path.normpath(os.path.join(base, value))
-    if rel == ".." or rel.startswith("../"):
+    names = [p for p in parts if p]
+    lead = next((i for i, p in enumerate(names) if p != ".."), len(names))
+    if any(p in (".", "..") for p in names[lead:]):
         return None
-    return "" if rel == "." else rel
+    here = [p for p in base.split("/") if p]
+    if lead > len(here):
+        return None
+    return "/".join(here[:len(here) - lead] + names[lead:])
 
 
 def _dir_id(backing: Backing, rel: str) -> tuple[int, int]:

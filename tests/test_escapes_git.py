@@ -64,8 +64,9 @@ attempt("rename onto hooks", lambda: os.rename(".git/h2", ".git/hooks"))
 COMMONDIR = r'''
 os.makedirs("src/checkout/evil/objects")
 os.makedirs("src/checkout/evil/refs")
-write("src/checkout/evil/HEAD", "ref: refs/heads/master\n")
 write("src/checkout/evil/config", '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "touch ' + MARK + '"\n')
+attempt("bare head", lambda: write("src/checkout/evil/HEAD", "ref: refs/heads/master\n"))
+write("src/checkout/back.py", "X = 1\n")  # back in scope: the next refusal is a trip of its own
 attempt("write commondir", lambda: write(".git/commondir", os.path.abspath("src/checkout/evil") + "\n"))
 '''
 
@@ -168,6 +169,7 @@ def test_hooks_directory_replacement_is_refused(tmp_path: Path, user: str | None
 def test_commondir_is_refused(tmp_path: Path, user: str | None) -> None:
     ws, manifest, mark = _workspace(tmp_path, user)
     moves, denials = _guard_run(tmp_path, ws, manifest, user, COMMONDIR)
+    assert moves.get("bare head") == "EROFS", moves  # no bare repository outside a .git directory
     assert moves.get("write commondir") == "EROFS", moves
     assert any(e["path"] == ".git/commondir" for e in denials)
     assert not (ws / ".git/commondir").exists()
