@@ -61,9 +61,10 @@ class RewritePlan:
     change: Change | None
     born: Change | None = None  # the creation's units, counted now (creation_pending)
     unchanged: bool = False  # the content is what it was: a write that changed nothing
-    # The content is the version git had committed for the path when the run started (a
-    # `git stash`, `git checkout -- path`): a revert, not a cycle; the history restarts there.
-    restart: bool = False
+    # A return to a version git committed for the path (what `git stash`, `git stash pop`,
+    # `git checkout -- path` or `git reset --hard` puts back): a restore, neither a cycle nor
+    # a rewrite of the units it changes.
+    restored: bool = False
 
     @property
     def peak(self) -> tuple[str, int] | None:
@@ -88,7 +89,7 @@ class WriteAccounting:
 
     def __init__(self, committed: Callable[[str, bytes], bool] | None = None) -> None:
         self.files: dict[str, FileRecord] = {}
-        #: Whether content is the version git had committed for a path at the start (see
+        #: Whether content is a version git committed for a path (see
         #: guardfs.gitscope.GitScope.committed_version); None: no repository to ask.
         self.committed = committed
 
@@ -133,13 +134,15 @@ class WriteAccounting:
             counts["file"] = rec.rewrites + 1
         new_hash = content_hash(new) if new is not None else None
         history = rec.hashes or ([content_hash(old)] if old is not None else [])
-        cycle = new_hash is not None and new_hash in history[:-1] and new_hash != history[-1]
+        returning = new_hash is not None and new_hash in history[:-1] and new_hash != history[-1]
         unchanged = new_hash is not None and bool(history) and new_hash == history[-1]
-        # Back to what git committed at the start: git restoring it (stash, checkout, reset)
-        # or the agent undoing its edit. Not an oscillation of the agent's: each flip still
-        # counts a rewrite of what it changes, so flip-flops stay bounded by max_rewrites.
-        restart = cycle and new is not None and self.committed is not None and self.committed(path, new)
-        return RewritePlan(path, counts, new_hash, cycle and not restart, change, born, unchanged, restart)
+        # Back to a version git committed (asked only of a return, so rarely): git restoring
+        # it, or the agent undoing its edit. Not an oscillation of the agent's, nor a rewrite;
+        # a move away from it again counts, and a return to an uncommitted version is a cycle.
+        restored = returning and new is not None and self.committed is not None and self.committed(path, new)
+        if restored:
+            counts, change, born = {}, None, None
+        return RewritePlan(path, counts, new_hash, returning and not restored, change, born, unchanged, restored)
 
     def commit_rewrite(self, plan: RewritePlan, old: bytes | None) -> None:
         """Record a rewrite that was allowed and performed (scratch files are not tracked)."""
@@ -150,6 +153,10 @@ class WriteAccounting:
             rec = self.files[plan.path] = FileRecord(created=old is None)
         if old is not None and not rec.hashes:
             rec.hashes.append(content_hash(old))
+        if plan.restored:
+            if plan.new_hash is not None:
+                rec.hashes.append(plan.new_hash)
+            return
         if plan.born is not None:
             _bump(rec, plan.born)
         if plan.change is not None:
@@ -160,9 +167,7 @@ class WriteAccounting:
         rec.rewrites += 1
         # The history holds committed versions: a write that left the content as it was
         # adds none (so A, B, B, A is the cycle A, B, A).
-        if plan.restart and plan.new_hash is not None:
-            rec.hashes = [plan.new_hash]
-        elif plan.new_hash is not None and not (rec.hashes and rec.hashes[-1] == plan.new_hash):
+        if plan.new_hash is not None and not (rec.hashes and rec.hashes[-1] == plan.new_hash):
             rec.hashes.append(plan.new_hash)
 
     def forget_scratch(self, path: str) -> None:

@@ -210,17 +210,48 @@ class GitScope:
             os.close(dir_fd)
 
     def committed_version(self, path: str, data: bytes) -> bool:
-        """Whether *data* is what git held for *path* when the run started (its blob in the
-        index or in HEAD's tree): what ``git stash`` or ``git checkout -- path`` puts back."""
-        if not self._start_index and self._head_tree is None:
-            return False
+        """Whether *data* is a version git committed for *path*: its blob in the index or
+        HEAD's tree at the start, or in the tree of HEAD or of the latest stash now (each
+        judged when its ref moved). That is what ``git stash``, ``git stash pop``, ``git
+        checkout -- path`` or ``git reset --hard`` puts back."""
         blob = _blob_id(data)
         if any(sha == blob for _mode, sha in self._start_index.get(path, ())):
             return True
         try:
-            return any(sha == blob for _mode, sha in self._head_value(self._store(), path))
-        except (OSError, ValueError):
+            store = self._store()
+            if any(sha == blob for _mode, sha in self._head_value(store, path)):
+                return True
+        except (OSError, ValueError, KeyError, NotTreeError):
             return False
+        for commit in (self._current_head(), self._ref_now("refs/stash")):
+            try:
+                tree = _tree_of(store, commit) if commit is not None else None
+                if tree is not None and tree_lookup_path(store.__getitem__, tree, os.fsencode(path))[1] == blob:
+                    return True
+            except (OSError, ValueError, KeyError, NotTreeError):
+                continue
+        return False
+
+    def _current_head(self) -> bytes | None:
+        """The commit HEAD names now (through one symbolic ref, loose or packed)."""
+        try:
+            head = self._read(HEAD).strip()
+        except OSError:
+            return None
+        if not head.startswith(b"ref:"):
+            return head
+        return self._ref_now(os.fsdecode(head[4:].strip()))
+
+    def _ref_now(self, name: str) -> bytes | None:
+        """The value of the ref *name* now, loose or packed; None if there is none."""
+        if not name.startswith("refs/"):
+            return None
+        try:
+            return self._read(f"{GIT}/{name}").strip()
+        except FileNotFoundError:
+            return dict(self._packed_refs(PACKED_REFS)).get(name)
+        except OSError:
+            return None
 
     def log_problem(self, kind: str, data: bytes) -> str | None:
         """What is wrong with the lines *data* of a reflog or FETCH_HEAD (*kind*), or None:
