@@ -24,8 +24,10 @@ refuses. ``paths.forbidden_in_git`` says what to do about them (see the manifest
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import io
+import itertools
 import logging
 import os
 import re
@@ -60,6 +62,16 @@ _MAX_PEEL = 16
 #: Reflog bytes read at the start for the commits they already name.
 _MAX_LOG_BYTES = 64 << 20
 _SHA = re.compile(rb"\b[0-9a-f]{40}\b")
+#: Commits of the run whose versions count as committed (see committed_version), at most.
+_MAX_COMMITTED = 64
+#: Objects an abbreviated name in a rebase's todo may stand for, at most (git wants one).
+_MAX_PREFIX = 256
+_HEX = re.compile(rb"[0-9a-f]{4,40}")
+# Sequencer files git reads commands from, and those holding one commit (--abort goes back to it).
+_TODO_FILES = frozenset({"git-rebase-todo", "git-rebase-todo.lock", "done", "todo", "todo.lock"})
+_REF_FILES = frozenset({"onto", "orig-head", "stopped-sha", "amend", "head", "abort-safety", "original-commit",
+                        "onto.lock", "orig-head.lock", "stopped-sha.lock", "amend.lock", "head.lock",
+                        "abort-safety.lock"})
 
 # What a path holds in an index or a tree: () when absent, one (mode, sha) when staged,
 # several when a merge left it conflicted.
@@ -97,6 +109,9 @@ class GitScope:
         # Commits a new reflog line or FETCH_HEAD may name without a check: those the
         # reflogs and FETCH_HEAD named at the start, and those already judged in scope.
         self._named: set[bytes] = set()
+        # Commits judged in scope during the run (refs moved to them), newest last: the
+        # versions a later checkout, rebase or reset by git may put back.
+        self._committed: collections.deque[bytes] = collections.deque(maxlen=_MAX_COMMITTED)
         self.tracked_forbidden: list[str] = []
         if os.path.isdir(self._git):
             self._snapshot()
@@ -211,9 +226,9 @@ class GitScope:
 
     def committed_version(self, path: str, data: bytes) -> bool:
         """Whether *data* is a version git committed for *path*: its blob in the index or
-        HEAD's tree at the start, or in the tree of HEAD or of the latest stash now (each
-        judged when its ref moved). That is what ``git stash``, ``git stash pop``, ``git
-        checkout -- path`` or ``git reset --hard`` puts back."""
+        HEAD's tree at the start, or in the tree of HEAD or of the latest stash now, or of a
+        commit a ref moved to during the run (each judged when its ref moved). That is what
+        ``git stash (pop)``, ``git checkout``, ``git rebase`` or ``git reset --hard`` puts back."""
         blob = _blob_id(data)
         if any(sha == blob for _mode, sha in self._start_index.get(path, ())):
             return True
@@ -223,7 +238,7 @@ class GitScope:
                 return True
         except (OSError, ValueError, KeyError, NotTreeError):
             return False
-        for commit in (self._current_head(), self._ref_now("refs/stash")):
+        for commit in (self._current_head(), self._ref_now("refs/stash"), *reversed(self._committed)):
             try:
                 tree = _tree_of(store, commit) if commit is not None else None
                 if tree is not None and tree_lookup_path(store.__getitem__, tree, os.fsencode(path))[1] == blob:
@@ -253,20 +268,31 @@ class GitScope:
         except OSError:
             return None
 
-    def log_problem(self, kind: str, data: bytes) -> str | None:
+    def log_problem(self, kind: str, data: bytes, name: str = "") -> str | None:
         """What is wrong with the lines *data* of a reflog or FETCH_HEAD (*kind*), or None:
         every commit they name (a reflog line's old and new value, FETCH_HEAD's first field)
         is judged as a ref moved to it would be, since ``git reset --hard HEAD@{1}``, ``git
-        stash pop`` or ``git merge FETCH_HEAD`` on the host would check it out."""
+        stash pop`` or ``git merge FETCH_HEAD`` on the host would check it out. A "sequencer"
+        file (*name*, in a rebase/am/cherry-pick state directory) has no exec line, names
+        (in full or abbreviated) only such commits, and patches only paths in scope."""
         store: DiskObjectStore | None = None
         for line in data.splitlines():
-            fields = line.split(b"\t", 1)[0].split(b" ")
-            for sha in fields[:2] if kind == "reflog" else fields[:1]:
-                if not _SHA.fullmatch(sha) or sha in self._named or sha.strip(b"0") == b"":
+            if kind == "sequencer":
+                why, names = self._sequencer_line(name, line)
+                if why is not None:
+                    return why
+            else:
+                fields = line.split(b"\t", 1)[0].split(b" ")
+                names = fields[:2] if kind == "reflog" else fields[:1]
+            for sha in names:
+                if sha in self._named or sha.strip(b"0") == b"":
                     continue
                 store = store or self._store()
                 try:
-                    change = self._judge_commit(store, sha)
+                    shas = [sha] if len(sha) == 40 else list(itertools.islice(store.iter_prefix(sha), _MAX_PREFIX))
+                    if len(shas) >= _MAX_PREFIX:
+                        return f"it names {sha.decode()}, a prefix of more objects than the guard judges"
+                    change = next((c for s in shas if (c := self._judge_commit(store, s)) is not None), None)
                 except (OSError, ValueError, KeyError, NotTreeError, AssertionError) as err:
                     return f"it names {sha.decode()}, which the guard cannot read ({err})"
                 if change is not None:
@@ -275,6 +301,27 @@ class GitScope:
                             f"{change.where.describe()})")
                 self._named.add(sha)
         return None
+
+    def _sequencer_line(self, name: str, line: bytes) -> tuple[str | None, list[bytes]]:
+        """A line of a rebase/am/cherry-pick state file: what is wrong with it, or the
+        object names it gives (a todo line's commit, a ref-like file's value)."""
+        words = line.split()
+        if not words:
+            return None, []
+        if name in _TODO_FILES:
+            if words[0] in (b"exec", b"x"):
+                return ("it holds an exec line, which would run on the host when someone continues the "
+                        "rebase; run commands yourself instead"), []
+            return None, [w for w in words[1:3] if _HEX.fullmatch(w)][:1]
+        if name in _REF_FILES:
+            return None, [words[0]] if _HEX.fullmatch(words[0]) else []
+        if line.startswith(b"diff --git "):
+            for path in re.findall(rb"(?:^| )[ab]/(\S+)", line[len(b"diff --git "):]):
+                where = self.policy.classify(os.fsdecode(path), False)
+                if where.scope is not Scope.ALLOWED:
+                    return (f"it holds a patch to {os.fsdecode(path)}, which a later `git am --continue` would "
+                            f"apply ({where.describe()})"), []
+        return None, []
 
     # ----- judging an update -------------------------------------------------------
 
@@ -340,6 +387,12 @@ class GitScope:
         tree = _tree_of(store, sha)
         if tree is None:
             return None  # a ref to a blob: nothing git would check out
+        change = self._judge_tree(store, tree)
+        if change is None and sha not in self._committed:
+            self._committed.append(sha)
+        return change
+
+    def _judge_tree(self, store: DiskObjectStore, tree: ObjectID) -> _Change | None:
         for change in tree_changes(store, self._head_tree, tree):
             new = change.new if change.new is not None and change.new.path is not None else None
             named = new or change.old

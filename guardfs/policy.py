@@ -48,14 +48,22 @@ def is_git_state(path: str) -> bool:
 
 
 def git_log_kind(path: str) -> str | None:
-    """"FETCH_HEAD" or "reflog" for the workspace repository's files that name commits a
-    later ``git merge FETCH_HEAD`` or ``git reset --hard HEAD@{1}`` / ``git stash pop``
-    would check out, and that git writes in place (appends) rather than by a lock rename."""
+    """"FETCH_HEAD", "reflog" or "sequencer" for the workspace repository's files that name
+    commits a later ``git merge FETCH_HEAD``, ``git reset --hard HEAD@{1}``, ``git stash
+    pop`` or ``git rebase --continue/--abort`` would check out (or commands it would run),
+    judged on every write (git writes some in place, some by a lock file's rename)."""
     if path == ".git/FETCH_HEAD":
         return "FETCH_HEAD"
     if path.startswith(".git/logs/"):
         return "reflog"
+    if path.startswith(_SEQUENCER_DIRS) and path.count("/") == 2:
+        # A rebase, am, cherry-pick or revert in progress: a human's `--continue` runs its
+        # exec lines and applies its picks and patches, `--abort` resets to its orig-head.
+        return "sequencer"
     return None
+
+
+_SEQUENCER_DIRS = (".git/rebase-merge/", ".git/rebase-apply/", ".git/sequencer/")
 
 
 class Scope(enum.Enum):

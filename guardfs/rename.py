@@ -260,7 +260,7 @@ def _problem(backing: Backing, scope: GitScope | None, path: str, kind: str, dat
         return link_problem(backing, path, kind, data)
     if scope is None:
         return "no judge of git's state in this mount"
-    return scope.log_problem(kind, data)
+    return scope.log_problem(kind, data, path.rpartition("/")[2])
 
 
 def _refuse_git(gate: Gate, request: Request, where: Classification, path: str, why: str) -> NoReturn:
