@@ -142,6 +142,33 @@ git("stash", "stash", "-q")
 git("stash pop", "stash", "pop", "-q")
 '''
 
+# A rebase left in progress: `git rebase --continue` on the host would run its exec lines and
+# apply its picks, `git rebase --abort` would reset to its orig-head.
+REBASE = r'''
+for i in (1, 2, 3):
+    write("src/checkout/tax.py", "# %d\n" % i, "a")
+    git("commit %d" % i, "commit", "-qam", "c%d" % i)
+git("rebase -x", "rebase", "-q", "-x", "true", "HEAD~1")  # its todo would hold an exec line
+back()
+git("rebase abort", "rebase", "--abort")
+env = dict(ENV, GIT_SEQUENCE_EDITOR="sed -i s/^pick/edit/")
+proc = subprocess.run(["git", "rebase", "-q", "-i", "HEAD~2"], env=env, capture_output=True, text=True)
+say("rebase -i", proc.returncode)
+blob = subprocess.run(["git", "hash-object", "-w", "--stdin"], input="owned\n", env=ENV, capture_output=True,
+                      text=True, check=True).stdout.strip()
+other = dict(ENV, GIT_INDEX_FILE="/tmp/forge-index-%d" % os.getpid())
+subprocess.run(["git", "read-tree", "HEAD"], env=other, check=True)
+subprocess.run(["git", "update-index", "--cacheinfo", "100644," + blob + ",src/auth/session.py"], env=other,
+               check=True)
+tree = subprocess.run(["git", "write-tree"], env=other, capture_output=True, text=True, check=True).stdout.strip()
+forged = subprocess.run(["git", "commit-tree", tree, "-p", "HEAD", "-m", "innocent"], env=ENV, capture_output=True,
+                        text=True, check=True).stdout.strip()
+todo = ".git/rebase-merge/git-rebase-todo"
+attempt("exec line", lambda: write(todo, "exec touch " + MARK + "\n", "a"))
+attempt("forged pick", lambda: write(todo, "pick " + forged[:9] + " innocent\n", "a"))
+attempt("forged orig-head", lambda: write(".git/rebase-merge/orig-head", forged + "\n", "a"))
+'''
+
 # A real oscillation (B -> C -> B, none of them committed), written in place so that it is
 # found when the write lands: the trip owes feedback to the next write.
 FEEDBACK = r'''
@@ -298,3 +325,25 @@ def test_a_trips_feedback_lands_on_the_next_write_not_on_gits_index(tmp_path: Pa
     assert moves["next write"] == "EDQUOT" and moves["then"] == "SUCCEEDED", detail
     delivered = [e for e in events if e.get("op") == "breaker" and e.get("reason") == "delivering feedback"]
     assert [e["path"] for e in delivered] == ["create src/checkout/later.py"], delivered
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_a_rebase_left_in_progress_runs_and_checks_out_nothing(tmp_path: Path, user: str | None) -> None:
+    ws, manifest, outside = _workspace(tmp_path, user)
+    mark = tmp_path / "pwned"
+    moves, events, proc = _guard_run(tmp_path, ws, manifest, user, REBASE, outside)
+    detail = f"{moves}\n{proc.stderr[-3000:]}"
+    # git's own interactive rebase of the agent's commits works (no trip for putting back
+    # the versions it committed); what would run or land on the host later is refused.
+    assert [moves[f"commit {i}"] for i in (1, 2, 3)] == [0, 0, 0] and moves["rebase -i"] == 0, detail
+    assert [moves[m] for m in ("exec line", "forged pick", "forged orig-head")] == ["EROFS"] * 3, detail
+    assert moves["rebase -x"] != 0 and moves["rebase abort"] == 0, detail  # never an exec line in a todo
+    assert _trips(events) == ["scope_spill"] * 4, detail
+    state = ws / ".git/rebase-merge"
+    assert "exec" not in (state / "git-rebase-todo").read_text()
+    # The human continues, then aborts: nothing runs, nothing out of scope lands.
+    _host_git(ws, "rebase", "--continue")
+    _host_git(ws, "rebase", "--abort")
+    assert not mark.exists(), "an exec line of the agent's ran on the host"
+    assert (ws / "src/auth/session.py").read_text() == SESSION
+    assert _host_git(ws, "show", "HEAD:src/auth/session.py").stdout == SESSION
