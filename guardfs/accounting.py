@@ -61,9 +61,8 @@ class RewritePlan:
     change: Change | None
     born: Change | None = None  # the creation's units, counted now (creation_pending)
     unchanged: bool = False  # the content is what it was: a write that changed nothing
-    # A return to a version git committed for the path (what `git stash`, `git stash pop`,
-    # `git checkout -- path` or `git reset --hard` puts back): a restore, neither a cycle nor
-    # a rewrite of the units it changes.
+    # Git returning the file to an earlier version it holds (`git stash`, `git stash pop`,
+    # `git checkout`, `git reset --hard`, `git rebase`): neither a cycle nor a rewrite.
     restored: bool = False
 
     @property
@@ -82,6 +81,7 @@ class WriteSession:
 
     path: str
     old: bytes | None  # None: too large to analyse
+    by_git: bool = False  # opened by the git binary (guardfs.gitguard.is_git_process)
 
 
 class WriteAccounting:
@@ -89,8 +89,8 @@ class WriteAccounting:
 
     def __init__(self, committed: Callable[[str, bytes], bool] | None = None) -> None:
         self.files: dict[str, FileRecord] = {}
-        #: Whether content is a version git committed for a path (see
-        #: guardfs.gitscope.GitScope.committed_version); None: no repository to ask.
+        #: Whether git holds content for a path (see guardfs.gitscope.GitScope.committed_version);
+        #: None: no repository to ask.
         self.committed = committed
 
     @property
@@ -108,8 +108,9 @@ class WriteAccounting:
             return
         self.files[path] = FileRecord(created=created)
 
-    def plan_rewrite(self, path: str, old: bytes | None, new: bytes | None) -> RewritePlan:
-        """What rewriting *path* from *old* to *new* would count (nothing is recorded)."""
+    def plan_rewrite(self, path: str, old: bytes | None, new: bytes | None, by_git: bool = False) -> RewritePlan:
+        """What rewriting *path* from *old* to *new* would count (nothing is recorded);
+        *by_git*: git itself writes it (a checkout, stash, reset or rebase)."""
         rec = self.files.get(path) or FileRecord(created=old is None)
         counts: dict[str, int] = {}
         change = born = None
@@ -136,10 +137,11 @@ class WriteAccounting:
         history = rec.hashes or ([content_hash(old)] if old is not None else [])
         returning = new_hash is not None and new_hash in history[:-1] and new_hash != history[-1]
         unchanged = new_hash is not None and bool(history) and new_hash == history[-1]
-        # Back to a version git committed (asked only of a return, so rarely): git restoring
-        # it, or the agent undoing its edit. Not an oscillation of the agent's, nor a rewrite;
-        # a move away from it again counts, and a return to an uncommitted version is a cycle.
-        restored = returning and new is not None and self.committed is not None and self.committed(path, new)
+        # Git putting back a version it holds (asked only of a return by git, so rarely):
+        # not an oscillation of the agent's, nor its rewrite. The agent's own return to an
+        # earlier version (its editor, its shell) is a cycle as before.
+        restored = (returning and by_git and new is not None and self.committed is not None
+                    and self.committed(path, new))
         if restored:
             counts, change, born = {}, None, None
         return RewritePlan(path, counts, new_hash, returning and not restored, change, born, unchanged, restored)

@@ -35,6 +35,7 @@ from guardfs.checkpoint import PreImages
 from guardfs.decision import Decider, LimitsDecider, Request
 from guardfs.events import EventLog
 from guardfs.gate import Gate
+from guardfs.gitguard import git_binary_ids, is_git_process
 from guardfs.inodes import Entry, InodeTable
 from guardfs.links import forbidden_links
 from guardfs.manifest import Manifest
@@ -189,6 +190,8 @@ class GuardFS(pyfuse3.Operations):
         self.gate = Gate(self.policy, self.accounting, self.decider, events, manifest.limits)
         self.sessions = WriteSessions(self.gate, self.backing, manifest.limits)
         self.gitscope = gitscope
+        # Which writers are git itself: its restores are not the agent's oscillation.
+        self._git_ids = git_binary_ids()
         self._files: dict[int, OpenFile] = {}
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if soft == resource.RLIM_INFINITY:
@@ -656,6 +659,7 @@ class GuardFS(pyfuse3.Operations):
         session = times = None
         if counted:  # the pre-image, before O_TRUNC takes it
             session, times = self.sessions.start(entry.path, self._stat(entry))
+            session.by_git = is_git_process(ctx.pid, self._git_ids)
         if writable:
             await self._pre(entry.path)
         fd = self.sessions.open_fd(entry.path, flags & ~_STRIP_FLAGS, session)
@@ -686,7 +690,7 @@ class GuardFS(pyfuse3.Operations):
             os.close(fd)
             raise
         entry = self.inodes.remember(st.st_ino, st.st_mode, path, where)
-        session = WriteSession(path, b"") if where.scope.counted else None
+        session = WriteSession(path, b"", is_git_process(ctx.pid, self._git_ids)) if where.scope.counted else None
         self._files[fd] = OpenFile(fd, entry, True, session, dirty=True)
         entry.handles.add(fd)
         self.gate.done(request)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import enum
 import fnmatch
 import os
+import shutil
 import subprocess
 from collections.abc import Callable
 
@@ -41,8 +42,10 @@ __all__ = [
     "GitConfigError",
     "GitRole",
     "config_problems",
+    "git_binary_ids",
     "git_role",
     "gitdir_target_ok",
+    "is_git_process",
     "link_value",
     "parse_config",
 ]
@@ -164,6 +167,30 @@ def git_role(path: str) -> tuple[GitRole, str] | None:
     if rel[-1] in _CONFIG_NAMES:
         return GitRole.CONFIG, rel[-1]
     return None
+
+
+def git_binary_ids() -> frozenset[tuple[int, int]]:
+    """(device, inode) of the git binaries on this machine (git runs its subcommands from
+    either): the sandbox sees the same files, read-only, so a process whose executable is
+    one of them is git, whatever it calls itself."""
+    ids = set()
+    for path in (shutil.which("git"), "/usr/bin/git", "/usr/lib/git-core/git", "/usr/libexec/git-core/git"):
+        if path:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            ids.add((st.st_dev, st.st_ino))
+    return frozenset(ids)
+
+
+def is_git_process(pid: int, ids: frozenset[tuple[int, int]]) -> bool:
+    """Whether process *pid* runs one of the git binaries *ids*."""
+    try:
+        st = os.stat(f"/proc/{pid}/exe")
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) in ids
 
 
 def parse_config(data: bytes) -> list[tuple[str, str | None]]:

@@ -24,7 +24,6 @@ refuses. ``paths.forbidden_in_git`` says what to do about them (see the manifest
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import io
 import itertools
@@ -62,8 +61,6 @@ _MAX_PEEL = 16
 #: Reflog bytes read at the start for the commits they already name.
 _MAX_LOG_BYTES = 64 << 20
 _SHA = re.compile(rb"\b[0-9a-f]{40}\b")
-#: Commits of the run whose versions count as committed (see committed_version), at most.
-_MAX_COMMITTED = 64
 #: Objects an abbreviated name in a rebase's todo may stand for, at most (git wants one).
 _MAX_PREFIX = 256
 _HEX = re.compile(rb"[0-9a-f]{4,40}")
@@ -109,9 +106,6 @@ class GitScope:
         # Commits a new reflog line or FETCH_HEAD may name without a check: those the
         # reflogs and FETCH_HEAD named at the start, and those already judged in scope.
         self._named: set[bytes] = set()
-        # Commits judged in scope during the run (refs moved to them), newest last: the
-        # versions a later checkout, rebase or reset by git may put back.
-        self._committed: collections.deque[bytes] = collections.deque(maxlen=_MAX_COMMITTED)
         self.tracked_forbidden: list[str] = []
         if os.path.isdir(self._git):
             self._snapshot()
@@ -225,48 +219,14 @@ class GitScope:
             os.close(dir_fd)
 
     def committed_version(self, path: str, data: bytes) -> bool:
-        """Whether *data* is a version git committed for *path*: its blob in the index or
-        HEAD's tree at the start, or in the tree of HEAD or of the latest stash now, or of a
-        commit a ref moved to during the run (each judged when its ref moved). That is what
-        ``git stash (pop)``, ``git checkout``, ``git rebase`` or ``git reset --hard`` puts back."""
-        blob = _blob_id(data)
-        if any(sha == blob for _mode, sha in self._start_index.get(path, ())):
-            return True
+        """Whether git holds *data* as a blob: what git itself writes back to *path* in a
+        ``git stash (pop)``, ``git checkout``, ``git rebase`` or ``git reset --hard``
+        (asked only for a write by the git binary that returns a file to an earlier version)."""
+        del path  # any blob git holds: what it checks out comes from its object store
         try:
-            store = self._store()
-            if any(sha == blob for _mode, sha in self._head_value(store, path)):
-                return True
-        except (OSError, ValueError, KeyError, NotTreeError):
+            return ObjectID(_blob_id(data)) in self._store()
+        except (OSError, ValueError):
             return False
-        for commit in (self._current_head(), self._ref_now("refs/stash"), *reversed(self._committed)):
-            try:
-                tree = _tree_of(store, commit) if commit is not None else None
-                if tree is not None and tree_lookup_path(store.__getitem__, tree, os.fsencode(path))[1] == blob:
-                    return True
-            except (OSError, ValueError, KeyError, NotTreeError):
-                continue
-        return False
-
-    def _current_head(self) -> bytes | None:
-        """The commit HEAD names now (through one symbolic ref, loose or packed)."""
-        try:
-            head = self._read(HEAD).strip()
-        except OSError:
-            return None
-        if not head.startswith(b"ref:"):
-            return head
-        return self._ref_now(os.fsdecode(head[4:].strip()))
-
-    def _ref_now(self, name: str) -> bytes | None:
-        """The value of the ref *name* now, loose or packed; None if there is none."""
-        if not name.startswith("refs/"):
-            return None
-        try:
-            return self._read(f"{GIT}/{name}").strip()
-        except FileNotFoundError:
-            return dict(self._packed_refs(PACKED_REFS)).get(name)
-        except OSError:
-            return None
 
     def log_problem(self, kind: str, data: bytes, name: str = "") -> str | None:
         """What is wrong with the lines *data* of a reflog or FETCH_HEAD (*kind*), or None:
@@ -387,10 +347,7 @@ class GitScope:
         tree = _tree_of(store, sha)
         if tree is None:
             return None  # a ref to a blob: nothing git would check out
-        change = self._judge_tree(store, tree)
-        if change is None and sha not in self._committed:
-            self._committed.append(sha)
-        return change
+        return self._judge_tree(store, tree)
 
     def _judge_tree(self, store: DiskObjectStore, tree: ObjectID) -> _Change | None:
         for change in tree_changes(store, self._head_tree, tree):
