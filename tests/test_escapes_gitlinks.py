@@ -169,6 +169,28 @@ attempt("forged pick", lambda: write(todo, "pick " + forged[:9] + " innocent\n",
 attempt("forged orig-head", lambda: write(".git/rebase-merge/orig-head", forged + "\n", "a"))
 '''
 
+# Git putting back the committed version is no oscillation; a program that only calls itself
+# git, doing the same, is the agent's own return (A -> B -> A), a cycle.
+RESTORE = r'''
+START = open("src/checkout/tax.py").read()
+def overwrite(text):
+    fd = os.open("src/checkout/tax.py", os.O_RDWR | os.O_TRUNC)
+    os.write(fd, text.encode())
+    os.close(fd)
+overwrite("def total(x):\n    return 2\n")
+git("checkout", "checkout", "--", "src/checkout/tax.py")
+say("restored", open("src/checkout/tax.py").read() == START)
+overwrite("def total(x):\n    return 3\n")  # a new version (B again would be the agent's A-B-A-B)
+os.makedirs("/tmp/fake", exist_ok=True)
+fake = "/tmp/fake/git"
+with open(sys.executable, "rb") as src, open(fake, "wb") as dst:
+    dst.write(src.read())
+os.chmod(fake, 0o755)
+code = "import os; fd = os.open('src/checkout/tax.py', os.O_RDWR | os.O_TRUNC); os.write(fd, %r.encode())" % START
+proc = subprocess.run([fake, "-c", code], capture_output=True, text=True)
+say("fake git", proc.returncode)
+'''
+
 # A real oscillation (B -> C -> B, none of them committed), written in place so that it is
 # found when the write lands: the trip owes feedback to the next write.
 FEEDBACK = r'''
@@ -347,3 +369,15 @@ def test_a_rebase_left_in_progress_runs_and_checks_out_nothing(tmp_path: Path, u
     assert not mark.exists(), "an exec line of the agent's ran on the host"
     assert (ws / "src/auth/session.py").read_text() == SESSION
     assert _host_git(ws, "show", "HEAD:src/auth/session.py").stdout == SESSION
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_only_git_itself_puts_a_version_back_without_a_trip(tmp_path: Path, user: str | None) -> None:
+    ws, manifest, outside = _workspace(tmp_path, user)
+    moves, events, proc = _guard_run(tmp_path, ws, manifest, user, RESTORE, outside)
+    detail = f"{moves}\n{proc.stderr[-3000:]}"
+    assert moves["checkout"] == 0 and moves["restored"] is True, detail
+    # The copy named git is not the git binary: its return to the start is a content cycle.
+    assert moves["fake git"] != 0, detail
+    assert _trips(events) == ["oscillation"], detail
+    assert (ws / "src/checkout/tax.py").read_text() == "def total(x):\n    return 3\n"  # refused, kept
