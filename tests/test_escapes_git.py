@@ -113,8 +113,8 @@ def _workspace(tmp_path: Path, user: str | None) -> tuple[Path, Path, Path]:
     if user is not None:
         subprocess.run(["chown", "-R", "65534:65534", str(ws)], check=True)
     manifest = tmp_path / "manifest.toml"
-    # A repository made in scope counts its files (a nested .git is no git internal of the
-    # workspace's own): git init alone writes ~20.
+    # The hostile scripts write many files in scope; a nested repository's git internals
+    # are not counted (git's bookkeeping), its work tree files are.
     manifest.write_text(FIX_TAX + '[limits]\nmax_files = "unlimited"\n')
     return ws, manifest, tmp_path / "pwned"
 
