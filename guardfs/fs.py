@@ -269,6 +269,11 @@ class GuardFS(pyfuse3.Operations):
         return self.policy.settled(self.inodes.classify(st.st_ino, stat.S_ISDIR(st.st_mode), path),
                                    st.st_ctime_ns)
 
+    def _held_for_writing(self, st: os.stat_result) -> bool:
+        """Whether the inode *st* is open for writing through the mount."""
+        entry = self.inodes.get(self.inodes.fuse_ino(st.st_ino))
+        return entry is not None and any(self._files[fd].writable for fd in entry.handles)
+
     def _lstat_or_none(self, path: str) -> os.stat_result | None:
         try:
             return self.backing.lstat(path)
@@ -598,12 +603,11 @@ class GuardFS(pyfuse3.Operations):
             entry = self.inodes.get(self.inodes.fuse_ino(src_st.st_ino))
             writers = entry is not None and any(self._files[fd].writable for fd in entry.handles)
             await check_config_landing(self.gate, self.backing, request, (src, src_st), exchange, writers)
-        for name, where, other, other_st in ((dst, dst_where, src, src_st), (src, request.where, dst, dst_st)):
-            if where.scope is Scope.GIT_CHECKED and other_st is not None and (name == dst or exchange):
-                entry = self.inodes.get(self.inodes.fuse_ino(other_st.st_ino))
-                writers = entry is not None and any(self._files[fd].writable for fd in entry.handles)
+        ends = [((src, src_st), (dst, dst_where))] + ([((dst, dst_st), (src, request.where))] if exchange else [])
+        for (other, other_st), (name, where) in ends:
+            if where.scope is Scope.GIT_CHECKED and other_st is not None:
                 check_git_landing(self.gate, self.backing, self.gitscope, request, (other, other_st), (name, where),
-                                  writers)
+                                  self._held_for_writing(other_st))
         if self.gitscope is not None:
             def held() -> bool:
                 return any(f.writable and f.entry.path in (src, dst) for f in self._files.values())
