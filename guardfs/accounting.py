@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from guardfs.signature import MAX_ANALYSED_BYTES, Change, analyse, content_hash, units_of
@@ -60,6 +61,9 @@ class RewritePlan:
     change: Change | None
     born: Change | None = None  # the creation's units, counted now (creation_pending)
     unchanged: bool = False  # the content is what it was: a write that changed nothing
+    # Git returning the file to an earlier version it holds (`git stash`, `git stash pop`,
+    # `git checkout`, `git reset --hard`, `git rebase`): neither a cycle nor a rewrite.
+    restored: bool = False
 
     @property
     def peak(self) -> tuple[str, int] | None:
@@ -77,13 +81,17 @@ class WriteSession:
 
     path: str
     old: bytes | None  # None: too large to analyse
+    by_git: bool = False  # opened by the git binary (guardfs.gitguard.is_git_process)
 
 
 class WriteAccounting:
     """Counters for the files an agent mutates during one run."""
 
-    def __init__(self) -> None:
+    def __init__(self, committed: Callable[[str, bytes], bool] | None = None) -> None:
         self.files: dict[str, FileRecord] = {}
+        #: Whether git holds content for a path (see guardfs.gitscope.GitScope.committed_version);
+        #: None: no repository to ask.
+        self.committed = committed
 
     @property
     def distinct(self) -> int:
@@ -100,8 +108,9 @@ class WriteAccounting:
             return
         self.files[path] = FileRecord(created=created)
 
-    def plan_rewrite(self, path: str, old: bytes | None, new: bytes | None) -> RewritePlan:
-        """What rewriting *path* from *old* to *new* would count (nothing is recorded)."""
+    def plan_rewrite(self, path: str, old: bytes | None, new: bytes | None, by_git: bool = False) -> RewritePlan:
+        """What rewriting *path* from *old* to *new* would count (nothing is recorded);
+        *by_git*: git itself writes it (a checkout, stash, reset or rebase)."""
         rec = self.files.get(path) or FileRecord(created=old is None)
         counts: dict[str, int] = {}
         change = born = None
@@ -126,9 +135,16 @@ class WriteAccounting:
             counts["file"] = rec.rewrites + 1
         new_hash = content_hash(new) if new is not None else None
         history = rec.hashes or ([content_hash(old)] if old is not None else [])
-        cycle = new_hash is not None and new_hash in history[:-1] and new_hash != history[-1]
+        returning = new_hash is not None and new_hash in history[:-1] and new_hash != history[-1]
         unchanged = new_hash is not None and bool(history) and new_hash == history[-1]
-        return RewritePlan(path, counts, new_hash, cycle, change, born, unchanged)
+        # Git putting back a version it holds (asked only of a return by git, so rarely):
+        # not an oscillation of the agent's, nor its rewrite. The agent's own return to an
+        # earlier version (its editor, its shell) is a cycle as before.
+        restored = (returning and by_git and new is not None and self.committed is not None
+                    and self.committed(path, new))
+        if restored:
+            counts, change, born = {}, None, None
+        return RewritePlan(path, counts, new_hash, returning and not restored, change, born, unchanged, restored)
 
     def commit_rewrite(self, plan: RewritePlan, old: bytes | None) -> None:
         """Record a rewrite that was allowed and performed (scratch files are not tracked)."""
@@ -139,6 +155,10 @@ class WriteAccounting:
             rec = self.files[plan.path] = FileRecord(created=old is None)
         if old is not None and not rec.hashes:
             rec.hashes.append(content_hash(old))
+        if plan.restored:
+            if plan.new_hash is not None:
+                rec.hashes.append(plan.new_hash)
+            return
         if plan.born is not None:
             _bump(rec, plan.born)
         if plan.change is not None:

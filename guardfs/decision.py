@@ -94,6 +94,9 @@ _ANCHOR_OPS = frozenset({"mkdir", "rmdir", "chmod", "chown", "utimes"})
 # filesystem checks (guardfs.gitguard), or removed; never written in place. Its mode may
 # change: git init tests whether the filesystem keeps the x bit on it.
 _GUARDED_OPS = frozenset({"rename", "unlink", "chmod", "chown", "utimes"})
+# A gitfile, a worktree's gitdir/commondir, FETCH_HEAD or a reflog is written in place by
+# git; the filesystem judges every write and every rename onto it by the content it leaves.
+_CHECKED_OPS = frozenset({"create", "open", "rename", "unlink", "chmod", "chown", "utimes"})
 
 
 def policy_verdict(request: Request) -> Verdict:
@@ -119,6 +122,10 @@ def policy_verdict(request: Request) -> Verdict:
             return _deny(where, ERRNO_READ_ONLY,
                          f"{path} is written only by git (a lock file renamed over it, checked for "
                          f"settings that run programs): {request.op} refused; use git config")
+        if where.scope is Scope.GIT_CHECKED and request.op not in _CHECKED_OPS:
+            return _deny(where, ERRNO_READ_ONLY,
+                         f"{path} ({where.pattern}) is written only in place by git, each write judged "
+                         f"for what it names: {request.op} refused")
         if where.scope is Scope.PROTECTED or where.scope is Scope.GIT_CONFIG:
             return _deny(where, ERRNO_READ_ONLY, f"{path} is read-only: {where.describe()}")
         if where.scope is Scope.OUT_OF_SCOPE:

@@ -35,12 +35,20 @@ from guardfs.checkpoint import PreImages
 from guardfs.decision import Decider, LimitsDecider, Request
 from guardfs.events import EventLog
 from guardfs.gate import Gate
+from guardfs.gitguard import git_binary_ids, is_git_process
 from guardfs.inodes import Entry, InodeTable
 from guardfs.intent import lookup_intent
 from guardfs.links import forbidden_links
 from guardfs.manifest import Manifest
 from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope, is_git_state, read_gitignore
-from guardfs.rename import check_carried, check_config_landing, check_git_update, plan_rename
+from guardfs.rename import (
+    check_carried,
+    check_config_landing,
+    check_git_landing,
+    check_git_update,
+    check_git_write,
+    plan_rename,
+)
 from guardfs.scratch import ScratchBacking
 from guardfs.sessions import OpenFile, WriteSessions, invalidate_later
 from guardfs.virtual import GuardNode, default_state
@@ -188,6 +196,8 @@ class GuardFS(pyfuse3.Operations):
         self.gate = Gate(self.policy, self.accounting, self.decider, events, manifest.limits, self._scratch)
         self.sessions = WriteSessions(self.gate, self.backing, manifest.limits)
         self.gitscope = gitscope
+        # Which writers are git itself: its restores are not the agent's oscillation.
+        self._git_ids = git_binary_ids()
         self._files: dict[int, OpenFile] = {}
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if soft == resource.RLIM_INFINITY:
@@ -275,6 +285,11 @@ class GuardFS(pyfuse3.Operations):
         if self._scratch is None:
             return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         return self._scratch.stat_at(dir_fd, name, path)
+
+    def _held_for_writing(self, st: os.stat_result) -> bool:
+        """Whether the inode *st* is open for writing through the mount."""
+        entry = self.inodes.get(self.inodes.fuse_ino(st.st_ino))
+        return entry is not None and any(self._files[fd].writable for fd in entry.handles)
 
     def _lstat_or_none(self, path: str) -> os.stat_result | None:
         try:
@@ -503,7 +518,7 @@ class GuardFS(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         """Create a symlink; only its own name is judged, the kernel judges what it reaches."""
         _, path = self._child(parent_inode, name)
-        where = self._where(path, None, False)
+        where = self.policy.symlink_where(path, self._where(path, None, False), os.fsdecode(target))
         return await self._created(
             "symlink", path, where, ctx, lambda d, n: os.symlink(os.fsdecode(target), n, dir_fd=d)
         )
@@ -611,6 +626,11 @@ class GuardFS(pyfuse3.Operations):
             entry = self.inodes.get(self.inodes.fuse_ino(src_st.st_ino))
             writers = entry is not None and any(self._files[fd].writable for fd in entry.handles)
             await check_config_landing(self.gate, self.backing, request, (src, src_st), exchange, writers)
+        ends = [((src, src_st), (dst, dst_where))] + ([((dst, dst_st), (src, request.where))] if exchange else [])
+        for (other, other_st), (name, where) in ends:
+            if where.scope is Scope.GIT_CHECKED and other_st is not None:
+                check_git_landing(self.gate, self.backing, self.gitscope, request, (other, other_st), (name, where),
+                                  self._held_for_writing(other_st))
         if self.gitscope is not None:
             def held() -> bool:
                 return any(f.writable and f.entry.path in (src, dst) for f in self._files.values())
@@ -668,6 +688,7 @@ class GuardFS(pyfuse3.Operations):
         session = times = None
         if counted:  # the pre-image, before O_TRUNC takes it
             session, times = self.sessions.start(entry.path, self._stat(entry))
+            session.by_git = is_git_process(ctx.pid, self._git_ids)
         if writable:
             await self._pre(entry.path)
         fd = self.sessions.open_fd(entry.path, flags & ~_STRIP_FLAGS, session)
@@ -698,7 +719,7 @@ class GuardFS(pyfuse3.Operations):
             os.close(fd)
             raise
         entry = self.inodes.remember(st.st_ino, st.st_mode, path, where)
-        session = WriteSession(path, b"") if where.scope.counted else None
+        session = WriteSession(path, b"", is_git_process(ctx.pid, self._git_ids)) if where.scope.counted else None
         self._files[fd] = OpenFile(fd, entry, True, session, dirty=True)
         entry.handles.add(fd)
         self.gate.done(request)
@@ -732,7 +753,10 @@ class GuardFS(pyfuse3.Operations):
     async def write(self, fh: pyfuse3.FileHandleT, off: int, buf: bytes) -> int:
         """Write; the first write of a session, the first after a truncation and any write
         that could oscillate are judged before they land."""
-        self.sessions.before_write(self._files[fh], off, buf)
+        f = self._files[fh]
+        if f.entry.where.scope is Scope.GIT_CHECKED:
+            check_git_write(self.gate, self.backing, self.gitscope, f.entry.where, f.entry.path, off, buf)
+        self.sessions.before_write(f, off, buf)
         return os.pwrite(fh, buf, off)
 
     @_fuse_errors

@@ -15,7 +15,14 @@ is policed by the role of each name in it, not by the name ``.git/hooks`` alone:
 - ``config`` and ``config.worktree`` that existed when the guard started are read-only;
   those of a repository made during the run are written only the way git writes them (a
   lock file renamed over them), and that rename is refused when the new configuration
-  sets anything that executes (:func:`config_problems`, which parses with git itself).
+  sets anything that executes (:func:`config_problems`, which parses with git itself);
+- a gitfile (a ``.git`` that is a file) and a linked worktree's ``gitdir`` and ``commondir``
+  point git at another git directory: git writes them in place, and each write is judged on
+  the content it leaves (guardfs.rename.check_git_link): a gitfile may name only a policed
+  git directory inside the workspace (a ``.git``, or ``.git/worktrees/<id>``,
+  ``.git/modules/<name>``), a ``commondir`` only its own repository;
+- a file named ``HEAD`` outside any ``.git`` directory would make its directory a bare
+  repository, whose config and hooks no name gives away: it is refused.
 
 Pure functions of paths and bytes; the filesystem calls them (see guardfs.fs).
 """
@@ -25,14 +32,21 @@ from __future__ import annotations
 import enum
 import fnmatch
 import os
+import shutil
 import subprocess
+from collections.abc import Callable
 
 __all__ = [
+    "GITFILE_PREFIX",
     "MAX_CONFIG_BYTES",
     "GitConfigError",
     "GitRole",
     "config_problems",
+    "git_binary_ids",
     "git_role",
+    "gitdir_target_ok",
+    "is_git_process",
+    "link_value",
     "parse_config",
 ]
 
@@ -87,6 +101,35 @@ class GitRole(enum.Enum):
     HOOK = "hook"  # a file under hooks/ that git would run
     REDIRECT = "redirect"  # commondir, info/attributes, objects/info/alternates
     CONFIG = "config"  # config or config.worktree
+    LINK = "link"  # a linked worktree's gitdir or commondir: written by git, judged by content
+    BARE = "bare"  # a HEAD outside any .git directory: it would make a bare repository
+
+
+#: What a gitfile (a ``.git`` that is a file: a linked worktree's, a submodule's) says.
+GITFILE_PREFIX = b"gitdir: "
+#: Where a gitfile may point, below a ``.git`` directory: a linked worktree's or a
+#: submodule's git directory (whose config, hooks and commondir are policed by name).
+_LINK_DIRS = frozenset({"worktrees", "modules"})
+_NOT_A_GITDIR = _DATA | {"hooks", "info"}
+
+
+def link_value(data: bytes) -> str:
+    """The path a gitfile (after ``gitdir: ``), a worktree's ``gitdir`` or its ``commondir``
+    holds, as git reads it: trailing CR/LF dropped, cut at a NUL."""
+    value = data.rstrip(b"\r\n").split(b"\0", 1)[0]
+    return os.fsdecode(value)
+
+
+def gitdir_target_ok(rel: str) -> bool:
+    """Whether the workspace-relative directory *rel* is one a gitfile may name: a ``.git``
+    directory, or a linked worktree's or submodule's git directory below one."""
+    parts = rel.split("/")
+    if ".git" not in parts:
+        return False
+    below = parts[len(parts) - 1 - parts[::-1].index(".git") + 1:]
+    if not below:
+        return True
+    return below[0] in _LINK_DIRS and len(below) >= 2 and not any(p in _NOT_A_GITDIR for p in below)
 
 
 def git_role(path: str) -> tuple[GitRole, str] | None:
@@ -95,6 +138,8 @@ def git_role(path: str) -> tuple[GitRole, str] | None:
     its sample hooks, files outside any ``.git``)."""
     split = _split(path)
     if split is None:
+        if path.rpartition("/")[2] == "HEAD":
+            return GitRole.BARE, "HEAD"
         return None
     rel = split
     if not rel:
@@ -113,6 +158,8 @@ def git_role(path: str) -> tuple[GitRole, str] | None:
         return GitRole.REDIRECT, "/".join(tail)
     if data < len(rel):
         return None
+    if len(rel) >= 3 and rel[-3] == "worktrees" and rel[-1] in ("gitdir", "commondir"):
+        return GitRole.LINK, rel[-1]
     if rel[-1] == "commondir":
         return GitRole.REDIRECT, "commondir"
     if rel[-2:] == ["info", "attributes"]:
@@ -120,6 +167,30 @@ def git_role(path: str) -> tuple[GitRole, str] | None:
     if rel[-1] in _CONFIG_NAMES:
         return GitRole.CONFIG, rel[-1]
     return None
+
+
+def git_binary_ids() -> frozenset[tuple[int, int]]:
+    """(device, inode) of the git binaries on this machine (git runs its subcommands from
+    either): the sandbox sees the same files, read-only, so a process whose executable is
+    one of them is git, whatever it calls itself."""
+    ids = set()
+    for path in (shutil.which("git"), "/usr/bin/git", "/usr/lib/git-core/git", "/usr/libexec/git-core/git"):
+        if path:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            ids.add((st.st_dev, st.st_ino))
+    return frozenset(ids)
+
+
+def is_git_process(pid: int, ids: frozenset[tuple[int, int]]) -> bool:
+    """Whether process *pid* runs one of the git binaries *ids*."""
+    try:
+        st = os.stat(f"/proc/{pid}/exe")
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) in ids
 
 
 def parse_config(data: bytes) -> list[tuple[str, str | None]]:
@@ -161,11 +232,14 @@ def _executes(key: str, value: str | None) -> bool:
     return sub.lower().startswith("ext::") or (value is not None and value.lower().lstrip().startswith("ext::"))
 
 
-def config_problems(data: bytes) -> list[str]:
+def config_problems(data: bytes, worktree_ok: Callable[[str], bool] | None = None) -> list[str]:
     """The keys of the configuration *data* that would make git run a program, or read
-    configuration from elsewhere; a configuration git cannot parse is one problem."""
+    configuration from elsewhere; a configuration git cannot parse is one problem.
+    ``core.worktree`` (a submodule's git directory names its work tree) is no problem where
+    *worktree_ok* accepts its value."""
     try:
         entries = parse_config(data)
     except GitConfigError as err:
         return [f"unparsable configuration ({err})"]
-    return sorted({key for key, value in entries if _executes(key, value)})
+    return sorted({key for key, value in entries if _executes(key, value) and not (
+        key == "core.worktree" and value is not None and worktree_ok is not None and worktree_ok(value))})

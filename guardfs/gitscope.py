@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import logging
 import os
+import re
 import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -56,6 +58,17 @@ REFS = ".git/refs"
 _GIT_STATE = Classification(Scope.PROTECTED, "built-in: git's index and refs change only through their lock files")
 #: Objects a check follows at most (tag chains, nested trees): a bound on the guard's work.
 _MAX_PEEL = 16
+#: Reflog bytes read at the start for the commits they already name.
+_MAX_LOG_BYTES = 64 << 20
+_SHA = re.compile(rb"\b[0-9a-f]{40}\b")
+#: Objects an abbreviated name in a rebase's todo may stand for, at most (git wants one).
+_MAX_PREFIX = 256
+_HEX = re.compile(rb"[0-9a-f]{4,40}")
+# Sequencer files git reads commands from, and those holding one commit (--abort goes back to it).
+_TODO_FILES = frozenset({"git-rebase-todo", "git-rebase-todo.lock", "done", "todo", "todo.lock"})
+_REF_FILES = frozenset({"onto", "orig-head", "stopped-sha", "amend", "head", "abort-safety", "original-commit",
+                        "onto.lock", "orig-head.lock", "stopped-sha.lock", "amend.lock", "head.lock",
+                        "abort-safety.lock"})
 
 # What a path holds in an index or a tree: () when absent, one (mode, sha) when staged,
 # several when a merge left it conflicted.
@@ -90,6 +103,9 @@ class GitScope:
         self._start_index: dict[str, _Value] = {}
         self._head_tree: ObjectID | None = None
         self._start_refs: set[bytes] = set()
+        # Commits a new reflog line or FETCH_HEAD may name without a check: those the
+        # reflogs and FETCH_HEAD named at the start, and those already judged in scope.
+        self._named: set[bytes] = set()
         self.tracked_forbidden: list[str] = []
         if os.path.isdir(self._git):
             self._snapshot()
@@ -121,6 +137,22 @@ class GitScope:
         self.tracked_forbidden = sorted(
             p for p in tracked if self.policy.classify(p, False).scope is Scope.FORBIDDEN
         )
+        self._named = set(self._start_refs)
+        budget = _MAX_LOG_BYTES
+        logs = [os.path.join(self._git, "FETCH_HEAD")] + [
+            os.path.join(d, n) for d, _dirs, names in os.walk(os.path.join(self._git, "logs")) for n in names]
+        for path in logs:
+            try:
+                with open(path, "rb") as f:
+                    data = f.read(budget)
+            except OSError:
+                continue
+            budget -= len(data)
+            self._named.update(_SHA.findall(data))
+            if budget <= 0:
+                log.warning("git scope: reflogs larger than %d bytes; lines naming older commits are judged "
+                            "like new ones", _MAX_LOG_BYTES)
+                break
 
     def _loose_refs(self) -> dict[str, bytes]:
         out: dict[str, bytes] = {}
@@ -186,6 +218,71 @@ class GitScope:
         finally:
             os.close(dir_fd)
 
+    def committed_version(self, path: str, data: bytes) -> bool:
+        """Whether git holds *data* as a blob: what git itself writes back to *path* in a
+        ``git stash (pop)``, ``git checkout``, ``git rebase`` or ``git reset --hard``
+        (asked only for a write by the git binary that returns a file to an earlier version)."""
+        del path  # any blob git holds: what it checks out comes from its object store
+        try:
+            return ObjectID(_blob_id(data)) in self._store()
+        except (OSError, ValueError):
+            return False
+
+    def log_problem(self, kind: str, data: bytes, name: str = "") -> str | None:
+        """What is wrong with the lines *data* of a reflog or FETCH_HEAD (*kind*), or None:
+        every commit they name (a reflog line's old and new value, FETCH_HEAD's first field)
+        is judged as a ref moved to it would be, since ``git reset --hard HEAD@{1}``, ``git
+        stash pop`` or ``git merge FETCH_HEAD`` on the host would check it out. A "sequencer"
+        file (*name*, in a rebase/am/cherry-pick state directory) has no exec line, names
+        (in full or abbreviated) only such commits, and patches only paths in scope."""
+        store: DiskObjectStore | None = None
+        for line in data.splitlines():
+            if kind == "sequencer":
+                why, names = self._sequencer_line(name, line)
+                if why is not None:
+                    return why
+            else:
+                fields = line.split(b"\t", 1)[0].split(b" ")
+                names = fields[:2] if kind == "reflog" else fields[:1]
+            for sha in names:
+                if sha in self._named or sha.strip(b"0") == b"":
+                    continue
+                store = store or self._store()
+                try:
+                    shas = [sha] if len(sha) == 40 else list(itertools.islice(store.iter_prefix(sha), _MAX_PREFIX))
+                    if len(shas) >= _MAX_PREFIX:
+                        return f"it names {sha.decode()}, a prefix of more objects than the guard judges"
+                    change = next((c for s in shas if (c := self._judge_commit(store, s)) is not None), None)
+                except (OSError, ValueError, KeyError, NotTreeError, AssertionError) as err:
+                    return f"it names {sha.decode()}, which the guard cannot read ({err})"
+                if change is not None:
+                    what = "forbidden" if change.where.scope is Scope.FORBIDDEN else "outside the task's scope"
+                    return (f"it names commit {sha.decode()}, which changes {change.path} ({what}: "
+                            f"{change.where.describe()})")
+                self._named.add(sha)
+        return None
+
+    def _sequencer_line(self, name: str, line: bytes) -> tuple[str | None, list[bytes]]:
+        """A line of a rebase/am/cherry-pick state file: what is wrong with it, or the
+        object names it gives (a todo line's commit, a ref-like file's value)."""
+        words = line.split()
+        if not words:
+            return None, []
+        if name in _TODO_FILES:
+            if words[0] in (b"exec", b"x"):
+                return ("it holds an exec line, which would run on the host when someone continues the "
+                        "rebase; run commands yourself instead"), []
+            return None, [w for w in words[1:3] if _HEX.fullmatch(w)][:1]
+        if name in _REF_FILES:
+            return None, [words[0]] if _HEX.fullmatch(words[0]) else []
+        if line.startswith(b"diff --git "):
+            for path in re.findall(rb"(?:^| )[ab]/(\S+)", line[len(b"diff --git "):]):
+                where = self.policy.classify(os.fsdecode(path), False)
+                if where.scope is not Scope.ALLOWED:
+                    return (f"it holds a patch to {os.fsdecode(path)}, which a later `git am --continue` would "
+                            f"apply ({where.describe()})"), []
+        return None, []
+
     # ----- judging an update -------------------------------------------------------
 
     def judge_rename(
@@ -250,6 +347,9 @@ class GitScope:
         tree = _tree_of(store, sha)
         if tree is None:
             return None  # a ref to a blob: nothing git would check out
+        return self._judge_tree(store, tree)
+
+    def _judge_tree(self, store: DiskObjectStore, tree: ObjectID) -> _Change | None:
         for change in tree_changes(store, self._head_tree, tree):
             new = change.new if change.new is not None and change.new.path is not None else None
             named = new or change.old

@@ -21,8 +21,8 @@ from guardfs.gitguard import GitRole, git_role
 from guardfs.manifest import Manifest
 
 __all__ = [
-    "GENERATED_KEYS", "GENERATED_RULE", "GIT_GUARDED_RULE", "GUARD_DIR", "Classification", "PathPolicy", "Scope",
-    "is_git_state", "read_gitignore",
+    "GENERATED_KEYS", "GENERATED_RULE", "GIT_CHECKED_RULE", "GIT_GUARDED_RULE", "GUARD_DIR", "Classification",
+    "PathPolicy", "Scope", "git_log_kind", "is_git_state", "read_gitignore",
 ]
 
 log = logging.getLogger(__name__)
@@ -72,13 +72,40 @@ def read_gitignore(workspace: str | os.PathLike[str]) -> list[str]:
             continue
         out.append(line)
     return out
+#: The rule of a gitfile, a worktree's gitdir/commondir, FETCH_HEAD and reflogs: written in
+#: place by git, each write judged on the content it leaves.
+GIT_CHECKED_RULE = "built-in: git files that name other git directories or commits"
+_BARE_RULE = ("built-in: a HEAD outside a .git directory would make a bare repository, whose config "
+              "and hooks the guard cannot tell by name; make repositories with git init (a .git directory)")
+_GIT_LINK_RULE = "built-in: a symlink inside a git directory names a sibling only (git's own probe does)"
+_NESTED_INTERNAL_RULE = "built-in: a nested repository's git internals (writable, not counted)"
+_GIT_DATA_DIRS = frozenset({"refs", "logs", "objects", "hooks", "info"})
 
 
 def is_git_state(path: str) -> bool:
     """Whether *path* is a file git only ever replaces by renaming a lock file over it: the
     index, HEAD, packed-refs or a ref under refs/ (see guardfs.gitscope)."""
-    return path in (".git/index", ".git/HEAD", ".git/packed-refs") or (
+    return path in (".git/index", ".git/HEAD", ".git/packed-refs", ".git/ORIG_HEAD") or (
         path.startswith(".git/refs/") and not path.endswith(".lock"))
+
+
+def git_log_kind(path: str) -> str | None:
+    """"FETCH_HEAD", "reflog" or "sequencer" for the workspace repository's files that name
+    commits a later ``git merge FETCH_HEAD``, ``git reset --hard HEAD@{1}``, ``git stash
+    pop`` or ``git rebase --continue/--abort`` would check out (or commands it would run),
+    judged on every write (git writes some in place, some by a lock file's rename)."""
+    if path == ".git/FETCH_HEAD":
+        return "FETCH_HEAD"
+    if path.startswith(".git/logs/"):
+        return "reflog"
+    if path.startswith(_SEQUENCER_DIRS) and path.count("/") == 2:
+        # A rebase, am, cherry-pick or revert in progress: a human's `--continue` runs its
+        # exec lines and applies its picks and patches, `--abort` resets to its orig-head.
+        return "sequencer"
+    return None
+
+
+_SEQUENCER_DIRS = (".git/rebase-merge/", ".git/rebase-apply/", ".git/sequencer/")
 
 
 class Scope(enum.Enum):
@@ -89,6 +116,7 @@ class Scope(enum.Enum):
     GIT_CONFIG = "git-config"  # a repository's config that existed when the guard started: read-only
     GIT_ANCHOR = "git-anchor"  # a .git or hooks directory: mkdir/rmdir only, never moved or linked
     GIT_GUARDED = "git-guarded"  # a config made during the run: replaced only by a checked rename
+    GIT_CHECKED = "git-checked"  # a gitfile, gitdir, commondir, FETCH_HEAD, reflog: every write judged
     GIT_INTERNAL = "git-internal"  # writable, never counted toward limits
     ALLOWED = "allowed"  # writable, counted
     GENERATED = "generated"  # caches and build output in scope: writable, never counted nor kept
@@ -165,15 +193,21 @@ class PathPolicy:
             return Classification(
                 Scope.FORBIDDEN, "paths.forbidden", self.manifest.paths.forbidden[hit.index]
             )
-        role = git_role(path) if ".git" in path else None
+        role = git_role(path) if ".git" in path or path.endswith("HEAD") else None
         if path == ".git" or path.startswith(".git/"):
-            if self.git_state_locked and self._git_writable and not is_dir and is_git_state(path):
-                return Classification(Scope.PROTECTED, _GIT_STATE_RULE)
+            if self.git_state_locked and self._git_writable and not is_dir:
+                if is_git_state(path):
+                    return Classification(Scope.PROTECTED, _GIT_STATE_RULE)
+                if (kind := git_log_kind(path)) is not None:
+                    return Classification(Scope.GIT_CHECKED, GIT_CHECKED_RULE, kind)
             base = self._git_internal()
         else:
             base = self._by_allowed(path, probe, is_dir)
-            generated = self._generated_rule(probe)
-            if generated is not None:
+            if base.scope is Scope.ALLOWED and ".git" in path and ".git" in path.split("/")[:-1]:
+                # Inside a nested repository's git directory: git's own bookkeeping (its
+                # index, objects, refs), never the agent's rewrites; names with a role below.
+                base = Classification(Scope.GIT_INTERNAL, _NESTED_INTERNAL_RULE)
+            elif (generated := self._generated_rule(probe)) is not None:
                 key, pattern = generated
                 scope = Scope.GENERATED if base.scope is Scope.ALLOWED else Scope.GENERATED_OUTSIDE
                 base = Classification(scope, key, pattern)
@@ -199,8 +233,14 @@ class PathPolicy:
     def _git(self, path: str, is_dir: bool, role: tuple[GitRole, str], base: Classification) -> Classification:
         """A name with a role in a repository: narrowed from its writable *base*."""
         kind, name = role
+        if kind is GitRole.ANCHOR and name == ".git" and not is_dir:
+            return Classification(Scope.GIT_CHECKED, GIT_CHECKED_RULE, "gitfile")
         if kind is GitRole.ANCHOR:
             return Classification(Scope.GIT_ANCHOR, _ANCHOR_RULE, name)
+        if kind is GitRole.LINK:
+            return Classification(Scope.GIT_CHECKED, GIT_CHECKED_RULE, name)
+        if kind is GitRole.BARE:
+            return base if is_dir else Classification(Scope.PROTECTED, _BARE_RULE)
         if kind is GitRole.HOOK:
             return Classification(Scope.PROTECTED, _HOOKS_RULE)
         if kind is GitRole.REDIRECT:
@@ -217,6 +257,18 @@ class PathPolicy:
         any change moves it on)."""
         if where.scope is Scope.GIT_GUARDED and ctime_ns <= self.started_ns:
             return Classification(Scope.GIT_CONFIG, _NESTED_CONFIG_RULE)
+        if where.scope is Scope.GIT_CHECKED and where.pattern in _LINK_KINDS and ctime_ns <= self.started_ns:
+            return Classification(Scope.PROTECTED, _REDIRECT_RULE, where.pattern)
+        return where
+
+    def symlink_where(self, path: str, where: Classification, target: str) -> Classification:
+        """*where* for a symlink to *target* made at *path*: inside a git directory only one
+        naming a sibling that is no git data (git init probes symlinks with one to
+        "testing"); any other could later redirect what a gitfile names."""
+        if where.scope is Scope.FORBIDDEN or ".git" not in path.split("/")[:-1]:
+            return where
+        if "/" in target or target in ("", ".", "..") or target in _GIT_DATA_DIRS:
+            return Classification(Scope.PROTECTED, _GIT_LINK_RULE)
         return where
 
     def _by_allowed(self, path: str, probe: str, is_dir: bool) -> Classification:
@@ -266,6 +318,10 @@ class PathPolicy:
             "                       config.worktree read-only if they existed, else written",
             "                       only by git and refused if they would run a program",
             "  .git/index, refs     changed only by git's lock-file rename, judged for what it changes",
+            "  ORIG_HEAD, FETCH_HEAD, reflogs, rebase/am state: every write judged for the commits",
+            "                       it names (and no exec line in a rebase todo)",
+            "  gitfiles, worktree gitdir/commondir: every write judged for the git directory named",
+            "  HEAD outside .git/   refused (a bare repository); symlinks in .git/ name siblings only",
             f"  .git/ (the rest)     {m.paths.git_internals}, not counted toward limits",
             "forbidden (no read, no write; EACCES):",
             *(f"  {p}" for p in m.paths.forbidden or ["(none)"]),
@@ -286,6 +342,10 @@ class PathPolicy:
             f"  on_terminal                  {m.breaker.on_terminal}",
         ]
         return "\n".join(lines)
+
+
+#: GIT_CHECKED kinds that point at a git directory (the others name commits).
+_LINK_KINDS = frozenset({"gitfile", "gitdir", "commondir"})
 
 
 def _literal_ancestors(patterns: list[str]) -> frozenset[str]:

@@ -20,19 +20,26 @@ import trio
 from guardfs.backing import Backing
 from guardfs.decision import ERRNO_READ_ONLY, Request, Verdict
 from guardfs.gate import Commit, Gate
-from guardfs.gitguard import MAX_CONFIG_BYTES, config_problems
-from guardfs.policy import GIT_GUARDED_RULE, Classification, Scope
+from guardfs.gitguard import GITFILE_PREFIX, MAX_CONFIG_BYTES, config_problems, gitdir_target_ok, link_value
+from guardfs.policy import GIT_CHECKED_RULE, GIT_GUARDED_RULE, Classification, Scope
 from guardfs.sessions import read_small
 
 if TYPE_CHECKING:  # dulwich is imported only where git state is judged
     from guardfs.gitscope import GitScope
 
-__all__ = ["check_carried", "check_config_landing", "check_git_update", "plan_rename"]
+__all__ = ["check_carried", "check_config_landing", "check_git_landing", "check_git_update", "check_git_write",
+           "plan_rename"]
 
 # What a moving directory may not hold, nor bring a name of its own under.
 # A repository's anchors and configs stay where they are: no prepared tree is moved into
 # their place, and no repository is moved out from under its checks.
-_NOT_CARRIED = (Scope.FORBIDDEN, Scope.PROTECTED, Scope.GIT_CONFIG, Scope.GIT_ANCHOR, Scope.GIT_GUARDED)
+# A gitfile stays too: a relative one would name another directory from elsewhere.
+_NOT_CARRIED = (Scope.FORBIDDEN, Scope.PROTECTED, Scope.GIT_CONFIG, Scope.GIT_ANCHOR, Scope.GIT_GUARDED,
+                Scope.GIT_CHECKED)
+#: A gitfile, gitdir or commondir larger than this is no git's (a path and a newline).
+MAX_LINK_BYTES = 4096
+#: Bytes read around a write to a reflog or FETCH_HEAD to find the whole lines it touches.
+_LINE_REACH = 4096
 
 
 def plan_rename(
@@ -114,7 +121,16 @@ async def check_config_landing(
         data = os.pread(fd, MAX_CONFIG_BYTES + 1, 0)
     finally:
         os.close(fd)
-    problems = await trio.to_thread.run_sync(config_problems, data)
+    policy = gate.policy
+    gitdir = (dst or "").rpartition("/")[0]
+
+    def worktree_ok(value: str) -> bool:
+        # A submodule's work tree: inside the workspace, where the agent may write anyway
+        # (what git later checks out there, the agent could have written itself).
+        rel = _beneath(backing.root, gitdir, value)
+        return rel is not None and policy.classify(rel, True).scope is Scope.ALLOWED
+
+    problems = await trio.to_thread.run_sync(config_problems, data, worktree_ok)
     if problems:
         refuse(f"the new config sets {', '.join(problems)}, which would make git run a program (or read "
                "configuration from elsewhere) on the host when someone next uses this repository; "
@@ -136,3 +152,153 @@ def check_git_update(
         return
     final = gate.decider.decide(request, verdict)
     gate.deny(request, verdict if final.allow else final)  # a decider never loosens a denial
+
+
+def link_problem(backing: Backing, path: str, kind: str, data: bytes) -> str | None:
+    """What is wrong with *data* as the content of the gitfile, worktree ``gitdir`` or
+    ``commondir`` *path* (its *kind*), or None.
+
+    Each may name only a git directory the guard polices, inside the workspace, along a path
+    nothing can later turn into a symlink: ``..`` only leading (so the lexical path is the
+    real one), a gitfile's repository an ancestor of the gitfile (a directory that cannot go
+    while the gitfile is in it), and below ``.git`` no symlinks (PathPolicy.symlink_where).
+    The directory need not exist yet (``git clone --separate-git-dir`` writes the gitfile first).
+    """
+    if len(data) > MAX_LINK_BYTES:
+        return f"{len(data)} bytes, more than any git {kind} ({MAX_LINK_BYTES})"
+    if kind == "gitfile":
+        if not data.startswith(GITFILE_PREFIX):
+            return None  # git reads no git directory from it (it says "invalid gitfile format")
+        data = data[len(GITFILE_PREFIX):]
+    value = link_value(data)
+    if not value:
+        return None
+    base = path.rpartition("/")[0]
+    rel = _beneath(backing.root, base, value)
+    if rel is None:
+        return f"it names {value!r}, outside the workspace (or through '..' after a name)"
+    if kind == "gitdir":
+        # The work tree's .git file (git writes its absolute path before creating it).
+        if rel.rpartition("/")[2] != ".git":
+            return f"it names {value!r}, not the .git file of a work tree inside the workspace"
+        return None
+    if kind == "commondir":
+        own = base.rpartition("/")[0].rpartition("/")[0]  # <gitdir>/worktrees/<id> -> <gitdir>
+        return None if rel == own else f"it names {value!r}, not its own repository {own}"
+    if not gitdir_target_ok(rel):
+        return (f"it names {rel or '.'}, which is not a repository's .git directory, nor a linked worktree's "
+                "or submodule's git directory below one (.git/worktrees/<id>, .git/modules/<name>)")
+    parts = rel.split("/")
+    repo = "/".join(parts[:len(parts) - 1 - parts[::-1].index(".git")])
+    if repo and base != repo and not base.startswith(repo + "/"):
+        return (f"it names {rel}, the git directory of {repo}, which does not contain {base}: a worktree or "
+                "submodule of a nested repository lives inside that repository's own directory")
+    return None
+
+
+def _beneath(root: str, base: str, value: str) -> str | None:
+    """*value* (relative to *base*, or absolute) as a workspace-relative path; None if it
+    leaves the workspace *root*, or has a '..' after a name or a '.' (where the lexical
+    path and the real one could differ)."""
+    parts = value.split("/")
+    if value.startswith("/"):
+        for top in {os.path.abspath(root), os.path.realpath(root)}:
+            if value == top or value.startswith(top.rstrip("/") + "/"):
+                parts = value[len(top):].split("/")
+                base = ""
+                break
+        else:
+            return None
+    names = [p for p in parts if p]
+    lead = next((i for i, p in enumerate(names) if p != ".."), len(names))
+    if any(p in (".", "..") for p in names[lead:]):
+        return None
+    here = [p for p in base.split("/") if p]
+    if lead > len(here):
+        return None
+    return "/".join(here[:len(here) - lead] + names[lead:])
+
+
+def _dir_id(backing: Backing, rel: str) -> tuple[int, int]:
+    st = backing.lstat(rel)
+    return st.st_dev, st.st_ino
+
+
+def _touched(backing: Backing, path: str, off: int, buf: bytes, kind: str) -> bytes:
+    """The content a write of *buf* at *off* would leave in the git-checked file *path*: all
+    of it for a gitfile, gitdir or commondir; the whole lines it touches for a reflog or
+    FETCH_HEAD. Read through a descriptor of its own (git's may be write-only)."""
+    fd = backing.open(path, os.O_RDONLY)
+    try:
+        return _touched_fd(fd, off, buf, kind)
+    finally:
+        os.close(fd)
+
+
+def _touched_fd(fd: int, off: int, buf: bytes, kind: str) -> bytes:
+    size = os.fstat(fd).st_size
+    if kind in ("gitfile", "gitdir", "commondir"):
+        if max(size, off + len(buf)) > MAX_LINK_BYTES:
+            return b"\0" * (MAX_LINK_BYTES + 1)
+        data = bytearray(os.pread(fd, MAX_LINK_BYTES, 0))
+    else:
+        lo = max(0, off - _LINE_REACH)
+        data = bytearray(os.pread(fd, off + len(buf) + _LINE_REACH - lo, lo))
+        off -= lo
+    if off > len(data):
+        data.extend(b"\0" * (off - len(data)))
+    data[off:off + len(buf)] = buf
+    if kind in ("gitfile", "gitdir", "commondir"):
+        return bytes(data)
+    start = data.rfind(b"\n", 0, off) + 1
+    end = data.find(b"\n", off + len(buf))
+    return bytes(data[start:] if end < 0 else data[start:end + 1])
+
+
+def _problem(backing: Backing, scope: GitScope | None, path: str, kind: str, data: bytes) -> str | None:
+    if kind in ("gitfile", "gitdir", "commondir"):
+        return link_problem(backing, path, kind, data)
+    if scope is None:
+        return "no judge of git's state in this mount"
+    return scope.log_problem(kind, data, path.rpartition("/")[2])
+
+
+def _refuse_git(gate: Gate, request: Request, where: Classification, path: str, why: str) -> NoReturn:
+    gate.refuse(request, Verdict(False, GIT_CHECKED_RULE, where.pattern, ERRNO_READ_ONLY, (
+        f"{path} ({where.pattern}): {why}; refused by the guard, as git on the host would follow it later")))
+
+
+def check_git_write(
+    gate: Gate, backing: Backing, scope: GitScope | None, where: Classification, path: str, off: int,
+    buf: bytes,
+) -> None:
+    """Judge a write of *buf* at *off* to a git-checked file on the content it would leave
+    (see :func:`link_problem`, GitScope.log_problem)."""
+    kind = where.pattern or ""
+    why = _problem(backing, scope, path, kind, _touched(backing, path, off, buf, kind))
+    if why is not None:
+        _refuse_git(gate, Request("write", path, where, True), where, path, why)
+
+
+def check_git_landing(
+    gate: Gate, backing: Backing, scope: GitScope | None, request: Request, src: tuple[str, os.stat_result],
+    dst: tuple[str, Classification], writers: bool,
+) -> None:
+    """Judge renaming *src* over (or to) a git-checked name *dst* on what *src* holds: all of
+    it (a reflog rewritten by git's lock file too)."""
+    path, st = src
+    name, where = dst
+    if not stat.S_ISREG(st.st_mode):
+        _refuse_git(gate, request, where, name, f"{path} is not a regular file")
+    if writers:
+        _refuse_git(gate, request, where, name, f"{path} is still open for writing: close it first")
+    fd = backing.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        kind = where.pattern or ""
+        limit = MAX_LINK_BYTES + 1 if kind in ("gitfile", "gitdir", "commondir") else st.st_size
+        data = os.pread(fd, limit, 0)
+    finally:
+        os.close(fd)
+    why = _problem(backing, scope, name, kind, data)
+    if why is not None:
+        _refuse_git(gate, request, where, name, why)

@@ -141,7 +141,7 @@ class WriteSessions:
         if f.cut and not final:
             return  # truncated and not yet written: the writes to come complete this rewrite
         new = self._current(f)
-        plan = self.gate.accounting.plan_rewrite(session.path, session.old, new)
+        plan = self.gate.accounting.plan_rewrite(session.path, session.old, new, session.by_git)
         self.gate.done(Request("rewrite", session.path, f.entry.where, True, rewrite=plan),
                        Commit(rewrite=plan, old=session.old))
         session.old = new  # writes through a dup of this handle start a new session
@@ -201,4 +201,4 @@ class WriteSessions:
         if off > len(data):
             data.extend(b"\0" * (off - len(data)))
         data[off:off + len(buf)] = buf
-        return self.gate.accounting.plan_rewrite(f.session.path, f.session.old, bytes(data))
+        return self.gate.accounting.plan_rewrite(f.session.path, f.session.old, bytes(data), f.session.by_git)

@@ -89,7 +89,7 @@ class Session:
         #: What ``guard run`` says at start (the forbidden paths git tracks, under "warn"/"hide-git").
         self.notices: list[str] = []
         self.gitscope = self._git_scope(manifest, workspace)
-        self.accounting = WriteAccounting()
+        self.accounting = WriteAccounting(committed=self.gitscope.committed_version)
         self._breaker: Breaker | None = None
         if run_dir is not None:
             self._breaker = Breaker(manifest, self.accounting, now=now, emit=events.emit, policy=self.policy)

@@ -64,8 +64,9 @@ attempt("rename onto hooks", lambda: os.rename(".git/h2", ".git/hooks"))
 COMMONDIR = r'''
 os.makedirs("src/checkout/evil/objects")
 os.makedirs("src/checkout/evil/refs")
-write("src/checkout/evil/HEAD", "ref: refs/heads/master\n")
 write("src/checkout/evil/config", '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "touch ' + MARK + '"\n')
+attempt("bare head", lambda: write("src/checkout/evil/HEAD", "ref: refs/heads/master\n"))
+write("src/checkout/back.py", "X = 1\n")  # back in scope: the next refusal is a trip of its own
 attempt("write commondir", lambda: write(".git/commondir", os.path.abspath("src/checkout/evil") + "\n"))
 '''
 
@@ -112,8 +113,8 @@ def _workspace(tmp_path: Path, user: str | None) -> tuple[Path, Path, Path]:
     if user is not None:
         subprocess.run(["chown", "-R", "65534:65534", str(ws)], check=True)
     manifest = tmp_path / "manifest.toml"
-    # A repository made in scope counts its files (a nested .git is no git internal of the
-    # workspace's own): git init alone writes ~20.
+    # The hostile scripts write many files in scope; a nested repository's git internals
+    # are not counted (git's bookkeeping), its work tree files are.
     manifest.write_text(FIX_TAX + '[limits]\nmax_files = "unlimited"\n')
     return ws, manifest, tmp_path / "pwned"
 
@@ -168,6 +169,7 @@ def test_hooks_directory_replacement_is_refused(tmp_path: Path, user: str | None
 def test_commondir_is_refused(tmp_path: Path, user: str | None) -> None:
     ws, manifest, mark = _workspace(tmp_path, user)
     moves, denials = _guard_run(tmp_path, ws, manifest, user, COMMONDIR)
+    assert moves.get("bare head") == "EROFS", moves  # no bare repository outside a .git directory
     assert moves.get("write commondir") == "EROFS", moves
     assert any(e["path"] == ".git/commondir" for e in denials)
     assert not (ws / ".git/commondir").exists()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from guardfs.manifest import parse_manifest
-from guardfs.policy import GIT_GUARDED_RULE, PathPolicy, Scope
+from guardfs.policy import GIT_CHECKED_RULE, GIT_GUARDED_RULE, PathPolicy, Scope
 
 from .helpers import require
 
@@ -59,6 +59,9 @@ POLICY = PathPolicy(parse_manifest(
 
 ANCHOR = "built-in: a repository's .git and hooks directories are never renamed, replaced or linked"
 REDIRECT = "built-in: git files that point git elsewhere are read-only"
+BARE = ("built-in: a HEAD outside a .git directory would make a bare repository, whose config and hooks the guard "
+        "cannot tell by name; make repositories with git init (a .git directory)")
+NESTED = "built-in: a nested repository's git internals (writable, not counted)"
 
 
 @pytest.mark.parametrize(
@@ -69,14 +72,21 @@ REDIRECT = "built-in: git files that point git elsewhere are read-only"
         # issue 12: the hooks directory is an anchor (mkdir/rmdir only), not a git internal
         (".git/hooks", True, Scope.GIT_ANCHOR, ANCHOR),
         (".git", True, Scope.GIT_ANCHOR, ANCHOR),
-        (".git", False, Scope.GIT_ANCHOR, ANCHOR),
+        (".git", False, Scope.GIT_CHECKED, GIT_CHECKED_RULE),  # a gitfile: judged on what it names
+        ("src/wt/.git", False, Scope.GIT_CHECKED, GIT_CHECKED_RULE),
+        ("src/bare/HEAD", False, Scope.PROTECTED, BARE),
+        ("src/HEAD", True, Scope.ALLOWED, "paths.allowed"),
+        ("src/sub/.git/HEAD", False, Scope.GIT_INTERNAL, NESTED),
+        ("src/sub/.git/index", False, Scope.GIT_INTERNAL, NESTED),
         ("src/sub/.git", True, Scope.GIT_ANCHOR, ANCHOR),
         ("src/sub/.git/hooks", False, Scope.GIT_ANCHOR, ANCHOR),
         ("src/sub/.git/hooks/post-checkout", False, Scope.PROTECTED, "built-in: .git/hooks/ is read-only"),
-        ("src/sub/.git/hooks/post-checkout.sample", False, Scope.ALLOWED, "paths.allowed"),
+        ("src/sub/.git/hooks/post-checkout.sample", False, Scope.GIT_INTERNAL, NESTED),
         (".git/modules/m/hooks/pre-commit", False, Scope.PROTECTED, "built-in: .git/hooks/ is read-only"),
         (".git/commondir", False, Scope.PROTECTED, REDIRECT),
-        (".git/worktrees/w/commondir", False, Scope.PROTECTED, REDIRECT),
+        (".git/worktrees/w/commondir", False, Scope.GIT_CHECKED, GIT_CHECKED_RULE),
+        (".git/worktrees/w/gitdir", False, Scope.GIT_CHECKED, GIT_CHECKED_RULE),
+        (".git/modules/m/commondir", False, Scope.PROTECTED, REDIRECT),
         (".git/info/attributes", False, Scope.PROTECTED, REDIRECT),
         ("src/sub/.git/objects/info/alternates", False, Scope.PROTECTED, REDIRECT),
         (".git/info/exclude", False, Scope.GIT_INTERNAL, "built-in: git internals"),

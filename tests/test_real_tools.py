@@ -3,8 +3,8 @@
 Scope: ``src/checkout/`` only. git (status, add, commit), a venv with pip install in scope,
 and pytest work, from inside the scope or from the root: what the tools generate (pytest's
 cache at the root, a venv under the default ``max_files``) is generated territory
-(``[paths] generated``, see tests/test_generated.py). What still trips (``git stash``) is
-recorded as a strict xfail: it asserts what a user expects, and fails loudly once fixed.
+(``[paths] generated``, see tests/test_generated.py), and ``git stash`` putting back the
+committed version is git's revert, not the agent's oscillation.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def test_pytest_from_inside_the_scope_keeps_its_cache_there(tmp_path: Path) -> N
     assert run.trips() == []
 
 
-# ----- generated territory: what tripped before [paths] generated -------------------------------
+# ----- generated territory and git's own restores: what tripped before -------------------------
 
 
 def test_plain_pytest_twice_from_the_root(tmp_path: Path) -> None:
@@ -129,13 +129,11 @@ def test_a_venv_in_scope_under_the_default_limits(tmp_path: Path) -> None:
     assert (run.ws / "src/checkout/.venv/bin/pip").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="git stash restores the committed content (A->B->A): oscillation trips, "
-                   "and the refusal that delivers the feedback lands on git's own .git/index rename, so "
-                   "`git stash` fails half-done and `git stash pop` fails too (the work stays in the stash)")
 def test_git_stash_and_pop(tmp_path: Path) -> None:
+    """git stash puts back the committed version (A->B->A): a revert by git, no oscillation."""
     run = Run(tmp_path)
     result = run('echo "# wip" >> src/checkout/tax.py && git stash -q && git stash pop -q && echo POPPED')
-    assert [t["rule"] for t in run.trips()] == [], run.log()[-2000:]  # today: oscillation
+    assert [t["rule"] for t in run.trips()] == [], run.log()[-2000:]
     assert result.returncode == 0 and "POPPED" in run.log(), run.log()[-2000:]
     assert (run.ws / "src/checkout/tax.py").read_text().endswith("# wip\n")
     assert run.git("stash", "list") == ""

@@ -241,7 +241,9 @@ class Breaker:
             reason = f"{plan.path} would return to an earlier version of itself (A→B→A)"
             return self._trip(Rule.OSCILLATION, reason, Verdict(False, "oscillation", None, ERRNO_LIMIT, reason))
         if request.mutating:
-            return self._gate(f"{request.op} {request.path}")
+            # The feedback a trip owes lands on the agent's own next write, never on git's
+            # index or ref update (not counted): that would leave git half-done.
+            return self._gate(f"{request.op} {request.path}", deliver=request.where.scope.counted)
         return ALLOW
 
     def committed(self, request: Request) -> None:
@@ -491,11 +493,12 @@ class Breaker:
             self._emit("breaker", "", "allow", state=State.CLOSED.value, reason="back in scope, progress made")
         self._changed()
 
-    def _gate(self, what: str) -> Verdict:
-        """Mutations and tool calls while the breaker is not closed."""
+    def _gate(self, what: str, deliver: bool = True) -> Verdict:
+        """Mutations and tool calls while the breaker is not closed; *deliver*: this act
+        may be the one refused to deliver a trip's feedback."""
         if self.state.terminal:
             return Verdict(False, f"breaker {self.state.value}", None, ERRNO_LIMIT, self.last_feedback)
-        if self._refuse_next:
+        if self._refuse_next and deliver:
             self._refuse_next = False
             self._changed()
             self._emit("breaker", what, "deny", state=self.state.value, reason="delivering feedback")
