@@ -197,6 +197,7 @@ def run_one(template: Path, base: Path, manifest: Path, cohort: str, seed: int, 
     script = textwrap.dedent(AGENT)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("GUARD_SOCKET", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # an agent's Python writes bytecode, as Python does by default
     if guarded:
         run_dir = work / "run"
         proc = subprocess.run(

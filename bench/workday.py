@@ -116,6 +116,7 @@ def day_steps(tests: list[str], quick: bool) -> list[tuple[str, Callable[[], int
     env = dict(GIT_ENV, PIP_CONFIG_FILE="/dev/null", PIP_NO_CACHE_DIR="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
     env.pop("PIP_FIND_LINKS", None)
     env.pop("VIRTUAL_ENV", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # the day's Python writes bytecode, as Python does by default
     tools = Path(sys.executable).parent  # the bench's own ruff and mypy
 
     def run(*argv: str) -> Callable[[], int]:
