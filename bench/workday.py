@@ -22,7 +22,10 @@ Sides, in the same run, each reported per step and for the whole day as a ratio 
   binds);
 - ``guard-fuse``: the same with everything through the mount (no fast lanes and, when the
   manifest knows them, no native binds of generated directories);
-- ``passthrough_hp``: libfuse's C reference over a copy of the tree (the floor of FUSE).
+- ``passthrough_hp``: libfuse's C reference over a copy of the tree (the floor of FUSE);
+- ``guard-lanes`` (only when named in ``--modes``): ``guard`` with ``out_of_scope_fast_lanes``
+  (every directory wholly outside the task's scope read natively; while the built-in manifest
+  allows unanchored cache patterns, guard plans no lanes and says so).
 
 ``--manifest MODE=PATH`` replaces a guard side's manifest (for example to measure a manifest
 of your own). Kernel caches are dropped before each side's day. Each guard side also reports
@@ -58,7 +61,9 @@ REQUIREMENTS = ["setuptools>=61,<69.3", "wheel", "asgiref>=3.8.1", "sqlparse>=0.
 TESTS = ["utils_tests", "template_tests", "forms_tests", "queries", "model_fields", "expressions", "lookup",
          "aggregation", "migrations", "validators", "i18n", "humanize_tests", "model_forms", "admin_changelist"]
 QUICK_TESTS = ["utils_tests"]
-MODES = ("native", "guard", "guard-fuse", "passthrough_hp")
+MODES = ("native", "guard", "guard-fuse", "guard-lanes", "passthrough_hp")
+GUARD_MODES = ("guard", "guard-fuse", "guard-lanes")
+DEFAULT_MODES = ("native", "guard", "guard-fuse", "passthrough_hp")
 ALLOWED = ["django/utils/", "tests/utils_tests/", ".venv/"]
 #: Until the manifest has generated territory (issue 13), the caches and build outputs the day
 #: writes must be allowed outright, and uncounted, or the clean day trips the breaker: pip's
@@ -69,8 +74,9 @@ GENERATED_STANDIN = ["**/__pycache__/", "Django.egg-info/", "build/", ".mypy_cac
 NATIVE_SWITCHES = {"out_of_scope_fast_lanes": "false", "fast_lanes": "[]", "native_generated": "false"}
 
 
-def manifest_text(through_fuse: bool) -> str:
-    """The task's manifest: default settings, or everything through the mount."""
+def manifest_text(mode: str) -> str:
+    """The task's manifest for a guard side: default settings (guard), everything through the
+    mount (guard-fuse), or out-of-scope fast lanes on (guard-lanes)."""
     allowed = list(ALLOWED)
     limits = ""
     if "generated" not in Paths.model_fields:
@@ -78,7 +84,9 @@ def manifest_text(through_fuse: bool) -> str:
         limits = '[limits]\nmax_files = "unlimited"\nmax_rewrites = "unlimited"\n'
     text = (f'[task]\nid = "workday"\ngoal = "Tidy django.utils helpers and keep the tests passing"\n\n'
             f"[paths]\nallowed = {json.dumps(allowed)}\nforbidden = [\".env*\"]\n\n{limits}")
-    if through_fuse:
+    if mode == "guard-lanes":
+        text += "\n[sandbox]\nout_of_scope_fast_lanes = true\n"
+    if mode == "guard-fuse":
         switches = [f"{k} = {v}" for k, v in NATIVE_SWITCHES.items() if k in SandboxSettings.model_fields]
         text += "\n[sandbox]\n" + "\n".join(switches) + "\n"
     return text
@@ -269,9 +277,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one test app and a two-file mypy: a small day")
     parser.add_argument("--repeat", type=int, default=1, help="days per side; the median is reported")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, from {', '.join(MODES)}")
     parser.add_argument("--manifest", action="append", default=[], metavar="MODE=PATH",
-                        help="use this manifest for a guard side (guard or guard-fuse) instead of the built-in one")
+                        help="use this manifest for a guard side (guard, guard-fuse, guard-lanes) instead of the "
+                             "built-in one")
     parser.add_argument("--tests", help="comma-separated apps of Django's runtests.py (default: a minute's worth)")
     parser.add_argument("--json", type=Path, default=ROOT / "bench/results/workday.json")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
@@ -279,6 +288,10 @@ def main() -> int:
     args.tests = args.tests.split(",") if args.tests else (QUICK_TESTS if args.quick else TESTS)
     if args.inner:
         return inner(args.tests, args.quick)
+    unknown = sorted(set(args.modes.split(",")) - set(MODES))
+    if unknown:
+        print(f"workday: --modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}", file=sys.stderr)
+        return 64
     args.modes = [m for m in MODES if m in args.modes.split(",")]
     if "native" not in args.modes:
         args.modes.insert(0, "native")
@@ -288,8 +301,9 @@ def main() -> int:
     overrides: dict[str, Path] = {}
     for item in args.manifest:
         mode, sep, path = item.partition("=")
-        if not sep or mode not in ("guard", "guard-fuse") or not Path(path).is_file():
-            print(f"workday: --manifest {item!r}: want guard=PATH or guard-fuse=PATH of an existing file",
+        if not sep or mode not in GUARD_MODES or not Path(path).is_file():
+            print(f"workday: --manifest {item!r}: want MODE=PATH of an existing file, MODE one of "
+                  f"{', '.join(GUARD_MODES)}",
                   file=sys.stderr)
             return 64
         overrides[mode] = Path(path).resolve()
@@ -298,17 +312,17 @@ def main() -> int:
     rounds = []
     with loop_ext4(4096) as fsroot:
         manifests = {}
-        for mode, fuse in (("guard", False), ("guard-fuse", True)):
+        for mode in GUARD_MODES:
             manifests[mode] = overrides.get(mode) or fsroot / f"{mode}.toml"
             if mode not in overrides:
-                manifests[mode].write_text(manifest_text(fuse))
+                manifests[mode].write_text(manifest_text(mode))
         template = make_template(sdist, fsroot)
         files = int(subprocess.run(["git", "ls-files"], cwd=template, capture_output=True, text=True,
                                    check=True).stdout.count("\n"))
         print(f"workday: Django {DJANGO} source, {files} tracked files; tests: {' '.join(args.tests)}", file=sys.stderr)
         for rnd in range(args.repeat):
             rounds.append(one_round(fsroot, template, hp, manifests, args, rnd))
-        texts = {m: p.read_text() for m, p in manifests.items()}
+        texts = {m: p.read_text() for m, p in manifests.items() if m in args.modes}
     rows = table(rounds, args.modes)
     for mode in args.modes:
         trips = [t for r in rounds for t in r.get(mode, {}).get("trips", [])]
