@@ -365,10 +365,13 @@ def main(argv: list[str] | None = None) -> int:
           + (f" runs of {a['trajectories']} ({sum(a['trips_by_rule'].values())} trips: "
              + ", ".join(f"{rule} {n}" for rule, n in sorted(a["trips_by_rule"].items()))
              + f"; {a['runs_stopped']} runs stopped)" if a["runs_with_trips"] else ""))
-    reasons = sorted({f"{t['rule']}: " + re.sub(r"-files-\w+", "-files-*", str(t.get("reason", "")))
-                      for r in results if r.cohort == "A" and r.guarded for t in r.trips})
-    if reasons:
-        print(f"  what cohort A tripped on: {'; '.join(reasons[:6])}")
+    reasons: dict[str, set[str]] = {}  # one line per rule: the distinct reasons, temporary names folded
+    for t in (t for r in results if r.cohort == "A" and r.guarded for t in r.trips):
+        reason = re.sub(r"-files-\w+|\.\d{5,}", "*", str(t.get("reason", "")))
+        reason = re.sub(r"file \d+ of", "file N of", reason)
+        reasons.setdefault(t["rule"], set()).add(reason)
+    for rule, seen in sorted(reasons.items()):
+        print(f"  cohort A, {rule}: {'; '.join(sorted(seen)[:3])}")
     print(f"socket step report per step: median {summary['all']['report_us']['median']:.0f} us, "
           f"p99 {summary['all']['report_us']['p99']:.0f} us")
     print(f"seed design: {SEED}")
