@@ -41,9 +41,6 @@ def test_eight_trajectories(cohorts: tuple[str, dict[str, Any], Path]) -> None:
 
 @pytest.mark.root
 @pytest.mark.mount
-@pytest.mark.xfail(strict=True, reason="until generated territory lands (issue 13, Build 1), the clean "
-                   "agent's caches trip: pytest's cache at the root and src/auth/__pycache__ (scope_spill), "
-                   "bytecode temporaries (blast_radius), a .pyc rewritten after each edit (oscillation)")
 def test_clean_cohort_never_trips(cohorts: tuple[str, dict[str, Any], Path]) -> None:
     stdout, summary, _ = cohorts
     assert summary["A"]["trips_by_rule"] == {}
