@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -87,3 +88,27 @@ def require(tool: str) -> str:
     if path is None:
         pytest.skip(f"{tool} is not installed")
     return path
+
+
+#: Where the pinned agent CLIs are installed from the npm registry, once per checkout.
+CLI_CACHE = Path(__file__).resolve().parent.parent / ".cache"
+
+
+def npm_cli(package: str, version: str, command: str, cache_name: str) -> Path:
+    """The agent CLI *package* at *version* (its *command*), installed from the npm registry into
+    ``.cache/<cache_name>-<version>`` on first use; skipped, with npm's words, where it cannot be."""
+    prefix = CLI_CACHE / f"{cache_name}-{version}"
+    binary = prefix / "node_modules/.bin" / command
+    if not binary.exists():
+        if shutil.which("npm") is None:
+            pytest.skip(f"npm is not installed: cannot fetch {package}")
+        prefix.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(
+            ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(prefix), f"{package}@{version}"],
+            capture_output=True, text=True, timeout=900,
+        )
+        if proc.returncode != 0 or not binary.exists():
+            pytest.skip(f"the npm registry is unreachable or refused the install: {proc.stderr.strip()[-300:]}")
+    found = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    assert version in found.stdout, found.stderr
+    return binary

@@ -10,29 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from .helpers import npm_cli
 from .model_server import Turn, scripted_model
 
 CLAUDE_VERSION = "2.1.332"
-CACHE = Path(__file__).resolve().parent.parent / ".cache" / f"claude-code-{CLAUDE_VERSION}"
 
 
 @pytest.fixture(scope="session")
 def claude_cli() -> Path:
     """The pinned Claude Code CLI, installed from the npm registry on first use."""
-    binary = CACHE / "node_modules/.bin/claude"
-    if not binary.exists():
-        if subprocess.run(["which", "npm"], capture_output=True).returncode != 0:
-            pytest.skip("npm is not installed: cannot fetch @anthropic-ai/claude-code")
-        CACHE.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run(
-            ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(CACHE),
-             f"@anthropic-ai/claude-code@{CLAUDE_VERSION}"], capture_output=True, text=True, timeout=900,
-        )
-        if proc.returncode != 0 or not binary.exists():
-            pytest.skip(f"the npm registry is unreachable or refused the install: {proc.stderr.strip()[-300:]}")
-    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
-    assert CLAUDE_VERSION in version.stdout, version.stderr
-    return binary
+    return npm_cli("@anthropic-ai/claude-code", CLAUDE_VERSION, "claude", "claude-code")
 
 
 def setup(tmp_path: Path, extra: str = "") -> tuple[Path, Path, Path]:

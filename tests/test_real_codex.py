@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 
+from .helpers import npm_cli
 from .openai_server import Call, ResponsesModel, scripted_responses
 
 # Each test runs guard run for real (root, as CI runs it; a FUSE mount): ~5 s each alone.
 pytestmark = [pytest.mark.root, pytest.mark.mount, pytest.mark.slow]
 
 CODEX_VERSION = "0.169.0"
-CACHE = Path(__file__).resolve().parent.parent / ".cache" / f"codex-{CODEX_VERSION}"
 #: A slug the CLI knows: an unknown one gets fallback metadata, and no apply_patch tool.
 MODEL = "gpt-5.5"
 GOAL = "Fix the tax rounding helper in src/checkout/"
@@ -40,20 +40,7 @@ FIXED = "def total(x):\n    return round(x, 2)\n"
 @pytest.fixture(scope="session")
 def codex_cli() -> Path:
     """The pinned Codex CLI, installed from the npm registry on first use."""
-    binary = CACHE / "node_modules/.bin/codex"
-    if not binary.exists():
-        if subprocess.run(["which", "npm"], capture_output=True).returncode != 0:
-            pytest.skip("npm is not installed: cannot fetch @openai/codex")
-        CACHE.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run(
-            ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(CACHE), f"@openai/codex@{CODEX_VERSION}"],
-            capture_output=True, text=True, timeout=900,
-        )
-        if proc.returncode != 0 or not binary.exists():
-            pytest.skip(f"the npm registry is unreachable or refused the install: {proc.stderr.strip()[-300:]}")
-    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
-    assert CODEX_VERSION in version.stdout, version.stderr
-    return binary
+    return npm_cli("@openai/codex", CODEX_VERSION, "codex", "codex")
 
 
 def repository(tmp_path: Path) -> tuple[Path, Path, Path]:

@@ -25,29 +25,15 @@ from sandbox.agents import fasthook
 from sandbox.breaker import Breaker
 
 from .gemini_server import Turn, scripted_gemini
-from .helpers import FIX_TAX
+from .helpers import FIX_TAX, npm_cli
 
 GEMINI_VERSION = "0.61.0"
-CACHE = Path(__file__).resolve().parent.parent / ".cache" / f"gemini-cli-{GEMINI_VERSION}"
 
 
 @pytest.fixture(scope="session")
 def gemini_cli() -> Path:
     """The pinned Gemini CLI, installed from the npm registry on first use."""
-    binary = CACHE / "node_modules/.bin/gemini"
-    if not binary.exists():
-        if subprocess.run(["which", "npm"], capture_output=True).returncode != 0:
-            pytest.skip("npm is not installed: cannot fetch @google/gemini-cli")
-        CACHE.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run(
-            ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(CACHE),
-             f"@google/gemini-cli@{GEMINI_VERSION}"], capture_output=True, text=True, timeout=900,
-        )
-        if proc.returncode != 0 or not binary.exists():
-            pytest.skip(f"the npm registry is unreachable or refused the install: {proc.stderr.strip()[-300:]}")
-    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
-    assert GEMINI_VERSION in version.stdout, version.stderr
-    return binary
+    return npm_cli("@google/gemini-cli", GEMINI_VERSION, "gemini", "gemini-cli")
 
 
 def git(ws: Path, *args: str) -> None:

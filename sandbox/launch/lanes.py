@@ -44,7 +44,7 @@ from guardfs.manifest import Manifest
 from guardfs.policy import GUARD_DIR, PathPolicy, Scope
 from sandbox.launch.isolation import bind_read_only, unbind
 
-__all__ = ["MAX_LANES", "LaneStage", "Lanes", "Reach", "forbidden_reach", "plan_lanes"]
+__all__ = ["MAX_LANES", "LaneStage", "Lanes", "Reach", "StagedTrees", "forbidden_reach", "plan_lanes"]
 
 #: More lanes than this from one declared or out-of-scope tree (once re-planned around the
 #: forbidden paths) and it is served through FUSE instead (each lane is a mount in the sandbox).
@@ -267,35 +267,51 @@ def _in_scope(policy: PathPolicy, allowed: list[str], declared: str) -> bool:
     return any(a.startswith(declared + "/") for a in anchors)
 
 
-class LaneStage:
-    """What bubblewrap binds from: the real directories, or, for an agent of another user who
-    may not traverse the path to the real workspace, each lane bound read-only into the
-    staging directory first (in the guard's private mount namespace)."""
+class StagedTrees:
+    """Trees of the workspace bound into the sandbox: from the real directories, or, for an
+    agent of another user who may not traverse the path to the real workspace, each tree
+    bound into the staging directory first (in the guard's private mount namespace)."""
+
+    #: The staging subdirectory and bubblewrap's bind option.
+    kind, bind_option = "lanes", "--ro-bind"
 
     def __init__(self, stage: Path) -> None:
         self.stage = stage
         self.staged: list[Path] = []
 
-    def bwrap_args(self, lanes: Lanes, real: Path, seen_as: str, staged: bool) -> list[str]:
-        """bubblewrap arguments: each lane of the real workspace *real* bound read-only at
-        its place under *seen_as*."""
+    def _bind(self, source: str, target: str) -> None:
+        bind_read_only(source, target)
+
+    def tree_args(self, trees: list[str], real: Path, seen_as: str, staged: bool) -> list[str]:
+        """bubblewrap arguments: each of *trees* of the real workspace *real* bound at its
+        place under *seen_as*."""
         argv: list[str] = []
-        for i, tree in enumerate(lanes.trees):
+        for i, tree in enumerate(trees):
             source = real / tree
             if staged:
-                target = self.stage / "lanes" / str(i)
+                target = self.stage / self.kind / str(i)
                 target.mkdir(parents=True)
                 self.staged.append(target)
-                bind_read_only(str(source), str(target))
+                self._bind(str(source), str(target))
                 source = target
-            argv += ["--ro-bind", str(source), f"{seen_as}/{tree}"]
+            argv += [self.bind_option, str(source), f"{seen_as}/{tree}"]
         return argv
 
     def cleanup(self) -> None:
-        """Remove the staged lanes (unmounted first)."""
+        """Remove the staged trees (unmounted first)."""
         for target in self.staged:
             unbind(str(target))
             with contextlib.suppress(OSError):
                 target.rmdir()
+        self.staged.clear()
         with contextlib.suppress(OSError):
-            (self.stage / "lanes").rmdir()
+            (self.stage / self.kind).rmdir()
+
+
+class LaneStage(StagedTrees):
+    """The fast lanes, bound read-only."""
+
+    def bwrap_args(self, lanes: Lanes, real: Path, seen_as: str, staged: bool) -> list[str]:
+        """bubblewrap arguments: each lane of the real workspace *real* bound read-only at
+        its place under *seen_as*."""
+        return self.tree_args(lanes.trees, real, seen_as, staged)

@@ -36,7 +36,7 @@ import pathspec
 
 from guardfs.manifest import Manifest
 from guardfs.policy import GUARD_DIR, PathPolicy, Scope
-from sandbox.launch.isolation import unbind
+from sandbox.launch.lanes import StagedTrees
 
 __all__ = ["MAX_MASKS", "MAX_SCAN", "MAX_TREES", "NativeStage", "NativeTrees", "bind_writable", "plan_native"]
 
@@ -244,32 +244,27 @@ def bind_writable(source: str, target: str) -> None:
         raise OSError(err, f"binding {source} at {target}: {os.strerror(err)}")
 
 
-class NativeStage:
+class NativeStage(StagedTrees):
     """What bubblewrap binds from: the masks (an empty file and directory, mode 000, of their
     own so that fast lanes and native trees clean up independently) and, for an agent of
     another user who may not traverse the path to the real workspace, each tree bound into
     the staging directory first (in the guard's private mount namespace)."""
 
+    kind, bind_option = "native", "--bind"
+
     def __init__(self, stage: Path) -> None:
-        self.stage = stage
+        super().__init__(stage)
         self.mask_file, self.mask_dir = stage / "native-mask-file", stage / "native-mask-dir"
-        self.staged: list[Path] = []
+
+    def _bind(self, source: str, target: str) -> None:
+        bind_writable(source, target)
 
     def bwrap_args(self, native: NativeTrees, real: Path, seen_as: str, staged: bool) -> list[str]:
         """bubblewrap arguments: each tree of the real workspace *real* bound writable at its
         place under *seen_as*, then the masks over the forbidden paths inside it."""
         if not native.trees:
             return []
-        argv: list[str] = []
-        for i, tree in enumerate(native.trees):
-            source = real / tree
-            if staged:
-                target = self.stage / "native" / str(i)
-                target.mkdir(parents=True)
-                self.staged.append(target)
-                bind_writable(str(source), str(target))
-                source = target
-            argv += ["--bind", str(source), f"{seen_as}/{tree}"]
+        argv = self.tree_args(native.trees, real, seen_as, staged)
         if native.masked_dirs or native.masked_files:
             self.mask_file.touch()
             self.mask_dir.mkdir(exist_ok=True)
@@ -283,13 +278,7 @@ class NativeStage:
 
     def cleanup(self) -> None:
         """Remove the masks and the staged trees (unmounted first)."""
-        for target in self.staged:
-            unbind(str(target))
-            with contextlib.suppress(OSError):
-                target.rmdir()
-        self.staged.clear()
-        with contextlib.suppress(OSError):
-            (self.stage / "native").rmdir()
+        super().cleanup()
         self.mask_file.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             self.mask_dir.rmdir()
