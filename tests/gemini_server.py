@@ -9,13 +9,12 @@ can read what the model was shown (the tools' responses included)."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from .scripted_http import QuietHandler, Script, serving
 
 __all__ = ["GeminiModel", "Turn", "scripted_gemini"]
 
@@ -49,27 +48,19 @@ _AUX = Turn(text=json.dumps({"reasoning": "scripted", "next_speaker": "user", "m
             input_tokens=10, output_tokens=2)
 
 
-class GeminiModel:
+class GeminiModel(Script[Turn]):
     """The scripted model and the requests it was sent."""
 
     def __init__(self, script: list[Turn]) -> None:
-        self.script = script
-        self.requests: list[dict[str, Any]] = []  # main-loop request bodies
+        super().__init__(script, Turn(), _AUX)
         self.other: list[str] = []  # paths of the other requests
-        self.lock = threading.Lock()
 
     def respond(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """The response document for one request to *path*."""
-        with self.lock:
-            if body.get("tools"):
-                self.requests.append(body)
-                n = len(self.requests)
-                turn = self.script[n - 1] if n <= len(self.script) else Turn()
-            else:
+        n, turn = self.take(body)
+        if n == 0:
+            with self.lock:
                 self.other.append(path)
-                turn = _AUX
-        if turn.delay:
-            time.sleep(turn.delay)  # outside the lock: helper requests are answered meanwhile
         return _response(turn)
 
     def function_responses(self) -> list[dict[str, Any]]:
@@ -85,41 +76,19 @@ def scripted_gemini(script: list[Turn]) -> Iterator[tuple[str, GeminiModel]]:
     """Serve *script* on loopback; yields (base URL, the model with its requests)."""
     model = GeminiModel(script)
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: Any) -> None:
-            pass
-
-        def _send(self, data: bytes, kind: str) -> None:
-            self.send_response(200)
-            self.send_header("content-type", kind)
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(QuietHandler):
         def do_POST(self) -> None:
-            length = int(self.headers.get("content-length", 0))
-            body = json.loads(self.rfile.read(length) or b"{}")
+            body = self.json_body()
             if ":countTokens" in self.path:
-                self._send(json.dumps({"totalTokens": 100}).encode(), "application/json")
+                self.send(json.dumps({"totalTokens": 100}).encode(), "application/json")
             elif ":streamGenerateContent" in self.path:
                 doc = model.respond(self.path, body)
-                self._send(f"data: {json.dumps(doc)}\r\n\r\n".encode(), "text/event-stream")
+                self.send(f"data: {json.dumps(doc)}\r\n\r\n".encode(), "text/event-stream")
             elif ":generateContent" in self.path:
-                self._send(json.dumps(model.respond(self.path, body)).encode(), "application/json")
+                self.send(json.dumps(model.respond(self.path, body)).encode(), "application/json")
             else:
                 self.send_response(404)
                 self.end_headers()
 
-        def do_GET(self) -> None:
-            self.send_response(404)
-            self.end_headers()
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", model
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+    with serving(Handler) as url:
+        yield url, model

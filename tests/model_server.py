@@ -6,13 +6,12 @@ are kept, so tests can read what the model was shown (tool errors included)."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from .scripted_http import QuietHandler, Script, serving
 
 __all__ = ["Turn", "scripted_model"]
 
@@ -64,24 +63,13 @@ def _stream(msg_id: str, model: str, turn: Turn) -> bytes:
     return _sse(events)
 
 
-class _Model:
+class _Model(Script[Turn]):
     def __init__(self, script: list[Turn]) -> None:
-        self.script = script
-        self.requests: list[dict[str, Any]] = []  # main-loop request bodies
-        self.lock = threading.Lock()
+        super().__init__(script, Turn(), Turn(text="ok", input_tokens=10, output_tokens=2))
 
     def respond(self, body: dict[str, Any]) -> bytes:
-        with self.lock:
-            main = bool(body.get("tools"))
-            if main:
-                self.requests.append(body)
-                n = len(self.requests)
-                turn = self.script[n - 1] if n <= len(self.script) else Turn()
-            else:
-                n, turn = 0, Turn(text="ok", input_tokens=10, output_tokens=2)
-        if turn.delay:
-            time.sleep(turn.delay)  # outside the lock: auxiliary requests are answered meanwhile
-        return _stream(f"msg_{'main' if main else 'aux'}_{n:04d}", str(body.get("model", "")), turn)
+        n, turn = self.take(body)
+        return _stream(f"msg_{'main' if n else 'aux'}_{n:04d}", str(body.get("model", "")), turn)
 
     def tool_errors(self) -> list[str]:
         """The text of every tool result marked as an error that the model was sent."""
@@ -103,33 +91,13 @@ def scripted_model(script: list[Turn]) -> Iterator[tuple[str, _Model]]:
     """Serve *script* on loopback; yields (base URL, the model with its requests)."""
     model = _Model(script)
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: Any) -> None:
-            pass
-
+    class Handler(QuietHandler):
         def do_POST(self) -> None:
-            length = int(self.headers.get("content-length", 0))
-            body = json.loads(self.rfile.read(length) or b"{}")
+            body = self.json_body()
             if "count_tokens" in self.path:
-                data, kind = json.dumps({"input_tokens": 100}).encode(), "application/json"
+                self.send(json.dumps({"input_tokens": 100}).encode(), "application/json")
             else:
-                data, kind = model.respond(body), "text/event-stream"
-            self.send_response(200)
-            self.send_header("content-type", kind)
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+                self.send(model.respond(body), "text/event-stream")
 
-        def do_GET(self) -> None:
-            self.send_response(404)
-            self.end_headers()
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", model
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+    with serving(Handler) as url:
+        yield url, model

@@ -10,13 +10,12 @@ call's output, the hook's refusal included)."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from .scripted_http import QuietHandler, Script, serving
 
 __all__ = ["Call", "ResponsesModel", "scripted_responses"]
 
@@ -67,28 +66,17 @@ def _stream(resp_id: str, model: str, call: Call) -> bytes:
     return _sse(events)
 
 
-class ResponsesModel:
+class ResponsesModel(Script[Call]):
     """The scripted model and every main-loop request it was sent."""
 
     def __init__(self, script: list[Call]) -> None:
-        self.script = script
-        self.requests: list[dict[str, Any]] = []  # main-loop request bodies
+        super().__init__(script, Call(), Call(text="ok", input_tokens=10, output_tokens=2))
         self.other: list[tuple[str, dict[str, Any]]] = []  # anything else: (path, body)
-        self.lock = threading.Lock()
 
     def respond(self, body: dict[str, Any]) -> bytes:
         """The SSE body answering one request."""
-        with self.lock:
-            main = bool(body.get("tools"))
-            if main:
-                self.requests.append(body)
-                n = len(self.requests)
-                call = self.script[n - 1] if n <= len(self.script) else Call()
-            else:
-                n, call = 0, Call(text="ok", input_tokens=10, output_tokens=2)
-        if call.delay:
-            time.sleep(call.delay)  # outside the lock: other requests are answered meanwhile
-        return _stream(f"resp_{'main' if main else 'aux'}_{n:04d}", str(body.get("model", "")), call)
+        n, call = self.take(body)
+        return _stream(f"resp_{'main' if n else 'aux'}_{n:04d}", str(body.get("model", "")), call)
 
     def tool_outputs(self) -> list[str]:
         """The output of every tool call the model was sent, in order (each call once)."""
@@ -111,43 +99,23 @@ def scripted_responses(script: list[Call]) -> Iterator[tuple[str, ResponsesModel
     """Serve *script* on loopback; yields (base URL ending in /v1, the model with its requests)."""
     model = ResponsesModel(script)
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         protocol_version = "HTTP/1.1"
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
         def do_POST(self) -> None:
-            length = int(self.headers.get("content-length", 0))
-            body = json.loads(self.rfile.read(length) or b"{}")
+            body = self.json_body()
             if self.path.rstrip("/").endswith("/responses"):
-                data, kind = model.respond(body), "text/event-stream"
-            else:
-                with model.lock:
-                    model.other.append((self.path, body))
-                data, kind = b"{}", "application/json"
-            self.send_response(200)
-            self.send_header("content-type", kind)
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+                self.send(model.respond(body), "text/event-stream")
+                return
+            with model.lock:
+                model.other.append((self.path, body))
+            self.send(b"{}", "application/json")
 
         def do_GET(self) -> None:
             with model.lock:
                 model.other.append((self.path, {}))
-            data = json.dumps({"data": [], "models": []}).encode()  # no model list: the CLI keeps its own
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            # No model list: the CLI keeps its own.
+            self.send(json.dumps({"data": [], "models": []}).encode(), "application/json")
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1", model
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+    with serving(Handler) as url:
+        yield f"{url}/v1", model
