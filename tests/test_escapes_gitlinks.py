@@ -111,8 +111,8 @@ write(".git/worktrees/w/commondir", "../..\n")  # what git writes: its own repos
 say("own commondir", "SUCCEEDED")
 '''
 
-# A forged commit (an out-of-scope file changed) named by each file that names commits.
-LOGS = r'''
+# A commit the agent forges with plumbing: HEAD with an out-of-scope file changed.
+FORGE = r'''
 blob = subprocess.run(["git", "hash-object", "-w", "--stdin"], input="owned\n", env=ENV, capture_output=True,
                       text=True, check=True).stdout.strip()
 other = dict(ENV, GIT_INDEX_FILE="/tmp/forge-index-%d" % os.getpid())
@@ -122,6 +122,10 @@ subprocess.run(["git", "update-index", "--cacheinfo", "100644," + blob + ",src/a
 tree = subprocess.run(["git", "write-tree"], env=other, capture_output=True, text=True, check=True).stdout.strip()
 forged = subprocess.run(["git", "commit-tree", tree, "-p", "HEAD", "-m", "innocent"], env=ENV, capture_output=True,
                         text=True, check=True).stdout.strip()
+'''
+
+# The forged commit named by each file that names commits.
+LOGS = FORGE + r'''
 say("forged", forged)
 head = git("head", "rev-parse", "HEAD")
 line = "%s %s a <a@x> 1700000000 +0000\treset: moving to HEAD@{1}\n" % (head, forged)
@@ -154,15 +158,7 @@ git("rebase abort", "rebase", "--abort")
 env = dict(ENV, GIT_SEQUENCE_EDITOR="sed -i s/^pick/edit/")
 proc = subprocess.run(["git", "rebase", "-q", "-i", "HEAD~2"], env=env, capture_output=True, text=True)
 say("rebase -i", proc.returncode)
-blob = subprocess.run(["git", "hash-object", "-w", "--stdin"], input="owned\n", env=ENV, capture_output=True,
-                      text=True, check=True).stdout.strip()
-other = dict(ENV, GIT_INDEX_FILE="/tmp/forge-index-%d" % os.getpid())
-subprocess.run(["git", "read-tree", "HEAD"], env=other, check=True)
-subprocess.run(["git", "update-index", "--cacheinfo", "100644," + blob + ",src/auth/session.py"], env=other,
-               check=True)
-tree = subprocess.run(["git", "write-tree"], env=other, capture_output=True, text=True, check=True).stdout.strip()
-forged = subprocess.run(["git", "commit-tree", tree, "-p", "HEAD", "-m", "innocent"], env=ENV, capture_output=True,
-                        text=True, check=True).stdout.strip()
+''' + FORGE + r'''
 todo = ".git/rebase-merge/git-rebase-todo"
 attempt("exec line", lambda: write(todo, "exec touch " + MARK + "\n", "a"))
 attempt("forged pick", lambda: write(todo, "pick " + forged[:9] + " innocent\n", "a"))
