@@ -259,7 +259,10 @@ class GuardFS(pyfuse3.Operations):
             return self._fstat(fd, entry.path)
         st = self.backing.lstat(entry.path)
         if st.st_ino != entry.backing_ino:
-            raise FUSEError(errno.ENOENT)  # unlinked; the name is another file's now
+            # The name is another file's now, replaced behind the kernel's cached dentry (as a
+            # rollback does): ESTALE makes the kernel look the name up again and retry the call.
+            # A symlink planted there behind the mount's back is refused, not re-resolved.
+            raise FUSEError(errno.ENOENT if stat.S_ISLNK(st.st_mode) else errno.ESTALE)
         return st
 
     def _child(self, parent_ino: int, name: bytes) -> tuple[Entry, str]:

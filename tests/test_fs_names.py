@@ -51,3 +51,20 @@ def test_a_name_that_is_not_utf8_reaches_accounting_and_events(tmp_path: Path) -
         denial = g.denials()[-1]
         assert denial["path"] == "out\\xff" and denial["rule"] == "not in paths.allowed"
         assert "out\\xff is outside the task's scope" in denial["reason"]
+
+
+def test_a_name_replaced_behind_the_mount_is_looked_up_again(tmp_path: Path) -> None:
+    """A file replaced in the backing behind the kernel's cached name (as a rollback does,
+    before its invalidation lands) is written, not refused: the stale inode answers ESTALE,
+    the kernel looks the name up again and retries. """
+    (tmp_path / "backing/src/checkout").mkdir(parents=True)
+    real = tmp_path / "backing/src/checkout/tax.py"
+    real.write_text("v0\n")
+    with guarded_mount(tmp_path) as g:
+        mine = g.mnt / "src/checkout/tax.py"
+        assert mine.read_text() == "v0\n"  # the kernel now caches the name for 60 s
+        (tmp_path / "backing/src/checkout/new").write_text("restored\n")
+        os.rename(tmp_path / "backing/src/checkout/new", real)
+        with open(mine, "a") as f:
+            f.write("next\n")
+        assert real.read_text() == "restored\nnext\n"
