@@ -1,0 +1,85 @@
+"""Hostile agents against what landed with issues 13 and 14: the scratch layer, native
+generated trees, trip on intent, git's own restores. Each attack runs from inside a real
+``guard run --ci`` (as root and as ``--user nobody``) and the host is checked afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .helpers import FIX_TAX
+
+pytestmark = [pytest.mark.root, pytest.mark.mount]
+
+USERS = [None, "nobody"]
+SECRET = "SECRET=hunter2\n"
+PRELUDE = r'''
+import errno, json, os, sys
+def attempt(name, f):
+    try:
+        got = f()
+    except OSError as err:
+        got = errno.errorcode.get(err.errno, str(err.errno))
+    print(json.dumps({name: got}), flush=True)
+'''
+
+
+def _workspace(tmp_path: Path) -> Path:
+    ws = tmp_path / "ws"
+    (ws / "src/checkout").mkdir(parents=True)
+    (ws / "src/checkout/tax.py").write_text("def total(x):\n    return x\n")
+    (ws / ".env").write_text(SECRET)
+    return ws
+
+
+def _guard_run(tmp_path: Path, ws: Path, user: str | None, script: str, manifest: str = FIX_TAX,
+               ) -> tuple[dict[str, Any], list[dict[str, Any]], subprocess.CompletedProcess[str]]:
+    """``guard run --ci`` the hostile *script* in *ws*: what it saw, the events, the process."""
+    python3 = shutil.which("python3", path="/usr/bin:/bin")
+    assert python3 is not None
+    flags: list[str] = []
+    if user is not None:
+        subprocess.run(["chown", "-R", "65534:65534", str(ws)], check=True)
+        flags = ["--user", user]
+    (tmp_path / "manifest.toml").write_text(manifest)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sandbox", "run", "--ci", *flags, "--manifest", str(tmp_path / "manifest.toml"),
+         "--run-dir", str(run_dir), "--", python3, "-c", PRELUDE + textwrap.dedent(script)],
+        cwd=ws, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
+    )
+    seen: dict[str, Any] = {}
+    for line in (run_dir / "stdout.log").read_text().splitlines():
+        if line.startswith("{"):
+            seen.update(json.loads(line))
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    return seen, events, proc
+
+
+# ----- native generated trees ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_a_hard_link_of_a_forbidden_file_inside_a_native_tree_is_masked(tmp_path: Path, user: str | None) -> None:
+    """A hard link of ``.env`` made on the host before the run, inside an in-scope ``.venv/``
+    that is bound natively: the mount refuses it by inode, the bind must not show it."""
+    ws = _workspace(tmp_path)
+    (ws / "src/checkout/.venv").mkdir()
+    os.link(ws / ".env", ws / "src/checkout/.venv/env_hl")
+    seen, _, proc = _guard_run(tmp_path, ws, user, '''
+        attempt("native", lambda: any(l.split()[4].endswith("/src/checkout/.venv")
+                                      for l in open("/proc/self/mountinfo")))
+        attempt("read", lambda: open("src/checkout/.venv/env_hl").read())
+    ''')
+    assert seen.get("native") is True, (seen, proc.stderr[-2000:])
+    assert seen["read"] == "EACCES", seen
+    assert "hunter2" not in (tmp_path / "run/stdout.log").read_text()
