@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from .helpers import FIX_TAX
+from .helpers import FIX_TAX, FORBIDDEN_TERMINAL
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
 
@@ -83,3 +83,43 @@ def test_a_hard_link_of_a_forbidden_file_inside_a_native_tree_is_masked(tmp_path
     assert seen.get("native") is True, (seen, proc.stderr[-2000:])
     assert seen["read"] == "EACCES", seen
     assert "hunter2" not in (tmp_path / "run/stdout.log").read_text()
+
+
+# ----- trip on intent -----------------------------------------------------------------------------
+
+# An i386 system call (int 0x80) from the 64-bit agent: its number means another call in the
+# x86_64 table that /proc/<tid>/syscall is read with (i386 301, unlinkat, is x86_64's
+# fanotify_mark, a metadata call).
+I386 = r'''
+import ctypes, mmap, struct
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+def i386(nr, dirfd, name):
+    mem = libc.mmap(None, 4096, 7, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x40, -1, 0)  # MAP_32BIT
+    ctypes.memmove(mem + 2048, name + b"\0", len(name) + 1)
+    code = (b"\x53\xb8" + struct.pack("<i", nr) + b"\xbb" + struct.pack("<i", dirfd) + b"\xb9"
+            + struct.pack("<I", mem + 2048) + b"\x31\xd2\xcd\x80\x5b\xc3")  # push rbx ... int 0x80; pop rbx; ret
+    ctypes.memmove(mem, code, len(code))
+    got = ctypes.CFUNCTYPE(ctypes.c_long)(mem)()
+    if got < 0:
+        raise OSError(-got, "i386 call")
+    return got
+for i in range(3):
+    attempt(f"unlinkat{i}", lambda: i386(301, -100, b".env"))
+attempt("stat", lambda: os.stat(".env"))
+'''
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the i386 ABI of x86_64")
+@pytest.mark.parametrize("user", USERS)
+def test_an_i386_unlink_of_a_forbidden_file_is_contact(tmp_path: Path, user: str | None) -> None:
+    ws = _workspace(tmp_path)
+    """Refused either way; with the first forbidden contact terminal, the run stops there (with
+    the i386 call read as x86_64's fanotify_mark, it went on, three times, without a trip)."""
+    seen, events, proc = _guard_run(tmp_path, ws, user, I386, FIX_TAX + FORBIDDEN_TERMINAL)
+    lookups = [e for e in events if e["op"] == "lookup" and e["path"] == ".env"]
+    assert lookups and lookups[0]["intent"] == "fanotify_mark (not the 64-bit ABI)", (events, proc.stderr[-2000:])
+    assert [e["rule"] for e in events if e["op"] == "trip"] == ["forbidden_path"], events
+    assert proc.returncode == 75 and "unlinkat1" not in seen, seen
+    assert (ws / ".env").read_text() == SECRET
