@@ -123,3 +123,34 @@ def test_an_i386_unlink_of_a_forbidden_file_is_contact(tmp_path: Path, user: str
     assert [e["rule"] for e in events if e["op"] == "trip"] == ["forbidden_path"], events
     assert proc.returncode == 75 and "unlinkat1" not in seen, seen
     assert (ws / ".env").read_text() == SECRET
+
+
+# ----- Codex's CODEX_HOME copy --------------------------------------------------------------------
+
+
+def test_codex_home_copy_reads_nothing_of_root_s_for_another_user(tmp_path: Path) -> None:
+    """With --user, the guard (root) copies the agent user's auth.json and config.toml into
+    the run's CODEX_HOME: a symlink there to /etc/shadow must not hand root's file to the agent."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    home = tmp_path / "codexhome"
+    home.mkdir()
+    (home / "auth.json").symlink_to("/etc/shadow")
+    (home / "config.toml").write_text('model = "m"\n')
+    agent = ws / "agent.sh"  # Codex's arguments go after the first word: a script that ignores them
+    agent.write_text('#!/bin/sh\necho "AUTH=$(head -c 5 "$CODEX_HOME/auth.json" 2>&1)"\n'
+                     'echo "CONFIG=$(cat "$CODEX_HOME/config.toml")"\n')
+    agent.chmod(0o755)
+    tmp_path.chmod(0o755)
+    subprocess.run(["chown", "-hR", "65534:65534", str(ws), str(home)], check=True)
+    (tmp_path / "manifest.toml").write_text(FIX_TAX + '[sandbox]\nenv = ["CODEX_HOME"]\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "sandbox", "run", "--ci", "--user", "nobody", "--agent", "codex", "--manifest",
+         str(tmp_path / "manifest.toml"), "--run-dir", str(tmp_path / "run"), "--", str(agent)],
+        cwd=ws, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+        env={**os.environ, "CODEX_HOME": str(home)},
+    )
+    out = (tmp_path / "run/stdout.log").read_text()
+    assert proc.returncode == 0 and 'CONFIG=model = "m"' in out, (out, proc.stderr[-2000:])
+    assert "AUTH=root:" not in out and "root:" not in out, out
+    assert "auth.json: not copied" in proc.stderr and "owned by uid 0" in proc.stderr, proc.stderr[-2000:]
