@@ -154,3 +154,30 @@ def test_codex_home_copy_reads_nothing_of_root_s_for_another_user(tmp_path: Path
     assert proc.returncode == 0 and 'CONFIG=model = "m"' in out, (out, proc.stderr[-2000:])
     assert "AUTH=root:" not in out and "root:" not in out, out
     assert "auth.json: not copied" in proc.stderr and "owned by uid 0" in proc.stderr, proc.stderr[-2000:]
+
+
+# ----- bytecode in scope --------------------------------------------------------------------------
+
+PLANT = r'''
+import py_compile, sys
+open("/tmp/evil.py", "w").write("print('PWNED')\ndef total(x):\n    return x\n")
+unchecked = py_compile.PycInvalidationMode.UNCHECKED_HASH  # never compared with the source
+for cfile in (f"src/checkout/__pycache__/tax.{sys.implementation.cache_tag}.pyc", "src/checkout/cart.pyc"):
+    attempt(cfile, lambda: py_compile.compile("/tmp/evil.py", cfile=cfile, invalidation_mode=unchecked, doraise=True))
+'''
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_bytecode_planted_in_scope_never_reaches_the_host(tmp_path: Path, user: str | None) -> None:
+    """An unchecked-hash .pyc for an in-scope module (in its existing __pycache__, which the
+    default list would bind natively) and a sourceless one: the host's Python would run them
+    in place of the source, uncounted, unseen by git diff, kept by rollback."""
+    ws = _workspace(tmp_path)
+    (ws / "src/checkout/__pycache__").mkdir()
+    seen, events, proc = _guard_run(tmp_path, ws, user, PLANT)
+    assert proc.returncode == 0 and len(seen) == 2, (seen, proc.stderr[-2000:])
+    assert [e for e in events if e["op"] == "trip"] == []
+    assert sorted(p.name for p in (ws / "src/checkout").rglob("*")) == ["__pycache__", "tax.py"]
+    host = subprocess.run([sys.executable, "-c", "import tax, cart"], cwd=ws / "src/checkout",
+                          capture_output=True, text=True, check=False)
+    assert "PWNED" not in host.stdout and "No module named 'cart'" in host.stderr, host

@@ -102,8 +102,10 @@ class _Planner:
             self.out.skipped.append(f"{path}: {link} is a symlink; it stays behind the mount")
         elif (self.root / path).lstat().st_dev != self.dev:
             self.out.skipped.append(f"{path}: another filesystem is mounted there")
-        elif self.policy.classify(path, True).scope is Scope.FORBIDDEN:
+        elif (scope := self.policy.classify(path, True).scope) is Scope.FORBIDDEN:
             self.out.skipped.append(f"{path}: forbidden as a whole; it stays behind the mount")
+        elif scope is Scope.GENERATED_OUTSIDE:
+            pass  # Python bytecode: in the run's scratch layer even in scope (guardfs.policy)
         else:
             return self.in_scope(path)  # out of scope: the generated rules (and fast lanes) apply, not this
         return False
