@@ -181,3 +181,34 @@ def test_bytecode_planted_in_scope_never_reaches_the_host(tmp_path: Path, user: 
     host = subprocess.run([sys.executable, "-c", "import tax, cart"], cwd=ws / "src/checkout",
                           capture_output=True, text=True, check=False)
     assert "PWNED" not in host.stdout and "No module named 'cart'" in host.stderr, host
+
+
+# ----- git's own restores -------------------------------------------------------------------------
+
+FLIP = r'''
+import subprocess
+def git(*args):
+    return subprocess.run(["git", "-c", "user.email=a@b", "-c", "user.name=a", *args], capture_output=True,
+                          text=True).returncode
+f = "src/checkout/tax.py"
+ids = []
+for digits in (2, 3):
+    open(f, "w").write(f"def total(x):\n    return round(x, {digits})\n")
+    git("commit", "-qm", str(digits), "--", f)
+    ids.append(subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip())
+for i in range(6):  # the real git binary writes each version back, in turn
+    attempt(f"flip{i}", lambda: (git("checkout", ids[0], "--", f), git("checkout", ids[1], "--", f)))
+'''
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_git_cannot_flip_a_file_between_versions_freely(tmp_path: Path, user: str | None) -> None:
+    """Git's writes back to a version it holds are no oscillation of the agent's, once per
+    version: checking out one commit, then another, in a loop, is."""
+    ws = _workspace(tmp_path)
+    who = ["-c", "user.email=a@b", "-c", "user.name=a"]
+    for args in (["init", "-q"], ["add", "src"], [*who, "commit", "-qm", "start"]):
+        subprocess.run(["git", *args], cwd=ws, check=True)
+    seen, events, proc = _guard_run(tmp_path, ws, user, FLIP, FIX_TAX + '[limits]\nmax_files = "unlimited"\n')
+    assert seen.get("flip0") == [0, 0], (seen, proc.stderr[-2000:])
+    assert "oscillation" in [e["rule"] for e in events if e["op"] == "trip"], seen
