@@ -48,6 +48,9 @@ class FileRecord:
     symbols: Counter[str] = field(default_factory=Counter)
     regions: list[list[int]] = field(default_factory=list)  # [first, last, count]
     hashes: list[str] = field(default_factory=list)
+    # Versions git has put back once without a count: a second return to one is a cycle, so
+    # git itself (checkout of one commit, then another, in a loop) cannot flip the file freely.
+    restored: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +143,8 @@ class WriteAccounting:
         # Git putting back a version it holds (asked only of a return by git, so rarely):
         # not an oscillation of the agent's, nor its rewrite. The agent's own return to an
         # earlier version (its editor, its shell) is a cycle as before.
-        restored = (returning and by_git and new is not None and self.committed is not None
-                    and self.committed(path, new))
+        restored = (returning and by_git and new is not None and new_hash not in rec.restored
+                    and self.committed is not None and self.committed(path, new))
         if restored:
             counts, change, born = {}, None, None
         return RewritePlan(path, counts, new_hash, returning and not restored, change, born, unchanged, restored)
@@ -158,6 +161,7 @@ class WriteAccounting:
         if plan.restored:
             if plan.new_hash is not None:
                 rec.hashes.append(plan.new_hash)
+                rec.restored.add(plan.new_hash)
             return
         if plan.born is not None:
             _bump(rec, plan.born)

@@ -137,7 +137,8 @@ def policy_verdict(request: Request) -> Verdict:
         if where.scope is Scope.GENERATED_OUTSIDE:
             return _deny(
                 where, ERRNO_READ_ONLY,
-                f"{path} is generated output ({where.describe()}) outside the task's scope: it is not "
+                f"{path} is generated output ({where.describe()}) outside the task's scope (or Python "
+                "bytecode, in scope too): it is not "
                 "written to the workspace (no trip); point the tool's cache or output inside paths.allowed",
             )
     return ALLOW

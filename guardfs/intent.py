@@ -9,6 +9,13 @@ root). A lookup whose call only asks about the name (stat, access, listxattr, an
 execve, readlink, getxattr, unlink, rename, chmod, ...) means to read or change what the
 name holds. Unknown calls and callers the guard cannot see count as contact: the rule
 fails toward the breaker.
+
+The numbers are those of the native 64-bit ABI. On x86_64 a 64-bit process can also enter
+the kernel through the i386 ABI (``int 0x80``), whose numbers mean other calls (i386 301,
+``unlinkat``, reads as x86_64 ``fanotify_mark``); ``/proc/<tid>/syscall`` does not say
+which ABI, so a call that would be metadata counts only if the instruction before the
+caller's program counter is ``syscall`` (``0f 05``). (An AMD CPU also takes ``syscall``
+from a 32-bit code segment; that residual is in SECURITY.md.)
 """
 
 from __future__ import annotations
@@ -84,7 +91,26 @@ def lookup_intent(tid: int, arch: str = _ARCH) -> Intent:
             fields = f.read(512).split()
     except OSError:
         return CONTACT_UNKNOWN
-    return classify(fields, arch)
+    intent = classify(fields, arch)
+    if not intent.contact and arch == "x86_64" and not _entered_by_syscall(tid, fields):
+        return Intent(f"{intent.call} (not the 64-bit ABI)", True)
+    return intent
+
+
+def _entered_by_syscall(tid: int, fields: list[bytes]) -> bool:
+    """Whether thread *tid* entered its current call by the x86_64 ``syscall`` instruction
+    (the two bytes before its program counter, the last field of *fields*)."""
+    try:
+        pc = int(fields[8], 16)
+        fd = os.open(f"/proc/{tid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+    except (IndexError, ValueError, OSError):
+        return False
+    try:
+        return os.pread(fd, 2, pc - 2) == b"\x0f\x05"
+    except (OSError, OverflowError):
+        return False
+    finally:
+        os.close(fd)
 
 
 def classify(fields: list[bytes], arch: str = _ARCH) -> Intent:

@@ -108,6 +108,11 @@ def git_log_kind(path: str) -> str | None:
 _SEQUENCER_DIRS = (".git/rebase-merge/", ".git/rebase-apply/", ".git/sequencer/")
 
 
+def _bytecode(path: str) -> bool:
+    """Whether *path* is Python bytecode: in a ``__pycache__`` directory, or a .pyc/.pyo."""
+    return path.endswith((".pyc", ".pyo")) or "__pycache__" in path.split("/")
+
+
 class Scope(enum.Enum):
     """What the agent may do with a path, in order of precedence."""
 
@@ -209,7 +214,11 @@ class PathPolicy:
                 base = Classification(Scope.GIT_INTERNAL, _NESTED_INTERNAL_RULE)
             elif (generated := self._generated_rule(probe)) is not None:
                 key, pattern = generated
-                scope = Scope.GENERATED if base.scope is Scope.ALLOWED else Scope.GENERATED_OUTSIDE
+                # Python bytecode goes to scratch even in scope: Python runs a .pyc instead of
+                # its source (an unchecked-hash one whatever the source says), so one left in
+                # the workspace would run later on the host, uncounted and never rolled back.
+                in_scope = base.scope is Scope.ALLOWED and not _bytecode(path)
+                scope = Scope.GENERATED if in_scope else Scope.GENERATED_OUTSIDE
                 base = Classification(scope, key, pattern)
         if role is None or base.scope not in (Scope.ALLOWED, Scope.GIT_INTERNAL, Scope.GENERATED):
             return base  # a repository inside a read-only tree is as read-only as the tree

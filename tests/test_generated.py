@@ -38,7 +38,8 @@ TOML = '[task]\nid = "t"\ngoal = "g"\n[paths]\nallowed = ["src/checkout/"]\nforb
 
 
 @pytest.mark.parametrize(("path", "is_dir", "scope"), [
-    ("src/checkout/__pycache__/tax.cpython-311.pyc", False, Scope.GENERATED),
+    ("src/checkout/__pycache__/tax.cpython-311.pyc", False, Scope.GENERATED_OUTSIDE),  # bytecode: scratch
+    ("src/checkout/tax.pyc", False, Scope.GENERATED_OUTSIDE),
     ("src/checkout/.venv/lib/python3.11/site-packages/x.py", False, Scope.GENERATED),
     ("src/checkout/node_modules", True, Scope.GENERATED),
     ("src/checkout/tax.py", False, Scope.ALLOWED),
@@ -133,16 +134,19 @@ def _refused_quietly(guarded: Guarded) -> None:
         (guarded.mnt / ".pytest_cache").mkdir()
     assert err.value.errno == errno.EROFS
     assert not (guarded.backing / ".pytest_cache").exists()
-    (guarded.mnt / "src/checkout/__pycache__").mkdir(parents=True)
-    (guarded.mnt / "src/checkout/__pycache__/tax.cpython-311.pyc").write_bytes(b"code")
-    (guarded.mnt / "src/checkout/__pycache__/cart.cpython-311.pyc").write_bytes(b"code")  # past max_files
+    (guarded.mnt / "src/checkout/.tox").mkdir(parents=True)
+    (guarded.mnt / "src/checkout/.tox/tax").write_bytes(b"code")
+    (guarded.mnt / "src/checkout/.tox/cart").write_bytes(b"code")  # past max_files
     for _ in range(3):  # past max_rewrites: never counted, never refused
-        (guarded.mnt / "src/checkout/__pycache__/tax.cpython-311.pyc").write_bytes(b"more code")
-    assert (guarded.backing / "src/checkout/__pycache__/tax.cpython-311.pyc").read_bytes() == b"more code"
+        (guarded.mnt / "src/checkout/.tox/tax").write_bytes(b"more code")
+    assert (guarded.backing / "src/checkout/.tox/tax").read_bytes() == b"more code"
     assert guarded.session.accounting.distinct == 0
+    with pytest.raises(OSError) as err:  # Python bytecode is out of the workspace even in scope
+        (guarded.mnt / "src/checkout/__pycache__").mkdir()
+    assert err.value.errno == errno.EROFS
     events = [json.loads(line) for line in guarded.events_path.read_text().splitlines()]
     assert [(e["op"], e["path"], e["rule"]) for e in events if e.get("decision") == "deny"] == [
-        ("mkdir", ".pytest_cache", "paths.generated")]
+        ("mkdir", ".pytest_cache", "paths.generated"), ("mkdir", "src/checkout/__pycache__", "paths.generated")]
 
 
 # ----- real tools under guard run --ci ----------------------------------------------------------
@@ -218,7 +222,7 @@ def test_pytest_with_its_cache_from_the_repository_root(tmp_path: Path) -> None:
     assert log.count("1 passed") == 2 and "PytestCacheWarning" not in log, log[-3000:]
     assert ".pytest_cache\n" in log and '"src/checkout/test_tax.py::test_total"' in log
     assert not (run.ws / ".pytest_cache").exists() and not list(run.ws.glob("pytest-cache-files-*"))
-    assert list((run.ws / "src/checkout/__pycache__").glob("*.pyc"))  # in scope: landed in the workspace
+    assert not (run.ws / "src/checkout/__pycache__").exists()  # bytecode, in scope too: in scratch
     assert run.counted()["distinct"] == 0
     assert run.denials() == []
 

@@ -11,6 +11,7 @@ names and blocking status) from :data:`~sandbox.agents.fasthook.VERSION` and the
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
@@ -18,6 +19,7 @@ import logging
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
@@ -112,6 +114,30 @@ def launch(agent: str, command: list[str], compiled: bool = True) -> tuple[list[
 AGENT_STATE = "agent-state"
 
 
+#: The largest login or settings file copied into an agent's state directory.
+_MAX_STATE_FILE = 1 << 20
+
+
+def _read_own(source: Path, uid: int | None) -> bytes | None:
+    """The content of the regular file *source* (None if there is none), which must belong to
+    *uid* when given: the guard copies it as root for an agent of another user, and that user
+    may point the name (a symlink, ``CODEX_HOME``) at a file only root may read."""
+    try:
+        fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        if uid is not None and st.st_uid != uid:
+            raise PermissionError(errno.EACCES, f"owned by uid {st.st_uid}, not by the agent's user ({uid})")
+        data = f.read(_MAX_STATE_FILE + 1)
+    if len(data) > _MAX_STATE_FILE:
+        raise OSError(errno.EFBIG, f"larger than {_MAX_STATE_FILE} bytes")
+    return data
+
+
 def agent_state(
     setup: Launch, where: Path, environ: Mapping[str, str], owner: tuple[int, int] | None = None
 ) -> Path | None:
@@ -129,9 +155,10 @@ def agent_state(
     for name in names:
         source, copy = user / name, state / name
         try:
-            if source.is_file():
+            data = _read_own(source, owner[0] if owner is not None else None)
+            if data is not None:
                 copy.touch(mode=0o600)
-                shutil.copyfile(source, copy)
+                copy.write_bytes(data)
         except OSError as err:  # the agent starts without it, and says what it misses
             log.warning("%s: not copied into the run's %s (%s)", source, var, err.strerror or err)
     if owner is not None:

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import pathspec
 
+from guardfs.backing import Backing
+from guardfs.links import forbidden_links
 from guardfs.manifest import Manifest
 from guardfs.policy import GUARD_DIR, PathPolicy, Scope
 from sandbox.launch.lanes import StagedTrees
@@ -100,8 +102,10 @@ class _Planner:
             self.out.skipped.append(f"{path}: {link} is a symlink; it stays behind the mount")
         elif (self.root / path).lstat().st_dev != self.dev:
             self.out.skipped.append(f"{path}: another filesystem is mounted there")
-        elif self.policy.classify(path, True).scope is Scope.FORBIDDEN:
+        elif (scope := self.policy.classify(path, True).scope) is Scope.FORBIDDEN:
             self.out.skipped.append(f"{path}: forbidden as a whole; it stays behind the mount")
+        elif scope is Scope.GENERATED_OUTSIDE:
+            pass  # Python bytecode: in the run's scratch layer even in scope (guardfs.policy)
         else:
             return self.in_scope(path)  # out of scope: the generated rules (and fast lanes) apply, not this
         return False
@@ -180,10 +184,13 @@ def plan_native(manifest: Manifest, workspace: Path, max_masks: int = MAX_MASKS)
             candidates.append(path)
     if names:
         candidates += [p for p in planner.find(names) if planner.judge(p)]
+    # Another name of a file forbidden by name (a hard link made before the run) is forbidden
+    # too (guardfs.links): the mount judges it by inode, a bind would show it.
+    inodes = _forbidden_inodes(root, planner.policy) if candidates else set()
     for tree in sorted(set(candidates)):
         if any(tree.startswith(c + "/") for c in candidates):
             continue  # inside another native tree
-        files, dirs = _masks(root, tree, manifest, max_masks)
+        files, dirs = _masks(root, tree, manifest, max_masks, inodes)
         if files is None or dirs is None:
             out.skipped.append(f"{tree}: more than {max_masks} forbidden paths inside; it stays behind the mount")
             continue
@@ -205,9 +212,20 @@ def _symlinked_parent(root: Path, path: str) -> str | None:
     return None
 
 
-def _masks(root: Path, tree: str, manifest: Manifest, limit: int) -> tuple[list[str] | None, list[str] | None]:
-    """Forbidden files and directories under *tree*; (None, None) past *limit*. Symlinks are
-    left: they resolve through the sandbox's own view, where their targets are judged.
+def _forbidden_inodes(root: Path, policy: PathPolicy) -> set[int]:
+    """Inodes of the files forbidden by name that have other names (guardfs.links)."""
+    backing = Backing(str(root))
+    try:
+        return set(forbidden_links(backing, policy))
+    finally:
+        backing.close()
+
+
+def _masks(root: Path, tree: str, manifest: Manifest, limit: int,
+           inodes: set[int] | frozenset[int] = frozenset()) -> tuple[list[str] | None, list[str] | None]:
+    """Forbidden files and directories under *tree*, and other names of the files forbidden
+    by name (*inodes*); (None, None) past *limit*. Symlinks are left: they resolve through the
+    sandbox's own view, where their targets are judged.
 
     Matched against ``paths.forbidden`` alone, which is all that makes a path forbidden
     outside ``.git`` (PathPolicy.classify, ten times slower here, says the same): an
@@ -229,11 +247,22 @@ def _masks(root: Path, tree: str, manifest: Manifest, limit: int) -> tuple[list[
         dirnames[:] = keep
         for name in filenames:
             path = f"{rel}/{name}"
-            if forbidden.match_file(path) and not os.path.islink(os.path.join(dirpath, name)):
+            if os.path.islink(os.path.join(dirpath, name)):
+                continue
+            if forbidden.match_file(path) or (inodes and _linked(os.path.join(dirpath, name), inodes)):
                 files.append(path)
         if len(files) + len(dirs) > limit:
             return None, None
     return files, dirs
+
+
+def _linked(path: str, inodes: set[int] | frozenset[int]) -> bool:
+    """Whether *path* is another name of a file in *inodes*."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return st.st_nlink > 1 and st.st_ino in inodes
 
 
 def bind_writable(source: str, target: str) -> None:
