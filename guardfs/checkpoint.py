@@ -51,6 +51,8 @@ __all__ = [
 ]
 
 _COPY_CHUNK = 1 << 20
+# Files up to this size are copied on the loop, not in a worker thread.
+_INLINE_COPY_BYTES = 1 << 16
 _FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
 # What a reflink or copy_file_range answers where it cannot work here: fall back to copying.
 _NO_SHORTCUT = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EPERM}
@@ -300,8 +302,13 @@ class PreImages:
         src = -1
         try:
             src = self.backing.open(copy.path, os.O_RDONLY)
-            # Not cancellable: the thread runs to its end, and so does the request's wait.
-            await trio.to_thread.run_sync(_copy_file, src, copy.blob)
+            if os.fstat(src).st_size <= _INLINE_COPY_BYTES:
+                # A source file an agent edits: copied in microseconds, cheaper than the hop
+                # to a worker thread and back (and a second FUSE worker task meanwhile).
+                _copy_file(src, copy.blob)
+            else:
+                # Not cancellable: the thread runs to its end, and so does the request's wait.
+                await trio.to_thread.run_sync(_copy_file, src, copy.blob)
         except OSError as err:
             copy.error = err
             if copy.generation == self.generation:

@@ -309,6 +309,20 @@ class GuardFS(pyfuse3.Operations):
         """
         probe = os.dup(self.backing.root_fd)
         os.close(probe)
+        self._fd_limit(probe)
+
+    def _reserve_opened(self, fd: int) -> None:
+        """:meth:`_reserve_fd` after the fact, for an open that changed nothing (no O_TRUNC,
+        no O_CREAT): the number *fd* got is the one a probe would have got, so the probe's
+        two system calls are saved; past the ceiling *fd* is closed and ENFILE raised."""
+        try:
+            self._fd_limit(fd)
+        except FUSEError:
+            os.close(fd)
+            raise
+
+    def _fd_limit(self, probe: int) -> None:
+        """Note whether the descriptor number *probe* reaches the reserve; raise ENFILE if so."""
         short = probe >= self._fd_ceiling
         if short != self._fd_short:
             self._fd_short = short
@@ -687,7 +701,8 @@ class GuardFS(pyfuse3.Operations):
             new_files = self.gate.new_files((entry.path, where)) if truncating and counted else ()
             request = Request("open", entry.path, where, writable, new_files=new_files)
             self.gate.check(request)
-        self._reserve_fd()
+        if writable:
+            self._reserve_fd()  # before the pre-image and O_TRUNC: refused, nothing was done
         session = times = None
         if counted:  # the pre-image, before O_TRUNC takes it
             session, times = self.sessions.start(entry.path, self._stat(entry))
@@ -695,6 +710,8 @@ class GuardFS(pyfuse3.Operations):
         if writable:
             await self._pre(entry.path)
         fd = self.sessions.open_fd(entry.path, flags & ~_STRIP_FLAGS, session)
+        if not writable:
+            self._reserve_opened(fd)
         if self._fstat(fd, entry.path).st_ino != entry.backing_ino:
             os.close(fd)
             raise FUSEError(errno.ESTALE)
@@ -801,9 +818,9 @@ class GuardFS(pyfuse3.Operations):
         entry = self._entry(inode)
         if entry.where.scope is Scope.FORBIDDEN:
             self.gate.check(Request("opendir", entry.path, entry.where, False))
-        if not entry.virtual:
-            self._reserve_fd()
         fd = -1 if entry.virtual else self.backing.open(entry.path, os.O_RDONLY | os.O_DIRECTORY)
+        if fd >= 0:
+            self._reserve_opened(fd)
         dh = self._next_dir
         self._next_dir += 1
         self._dirs[dh] = _Dir(fd, entry)

@@ -43,6 +43,8 @@ GENERATED_RULE = "paths.generated"
 _GITIGNORE_RULE = "paths.generated_from_gitignore"
 #: The manifest keys that make a path generated output: a refusal under one never trips.
 GENERATED_KEYS = frozenset({GENERATED_RULE, _GITIGNORE_RULE})
+# Paths whose verdicts PathPolicy keeps at most (about 200 bytes each).
+_MEMO_MAX = 1 << 16
 
 
 def read_gitignore(workspace: str | os.PathLike[str]) -> list[str]:
@@ -183,9 +185,22 @@ class PathPolicy:
         #: The .gitignore patterns treated as generated (paths.generated_from_gitignore).
         self.gitignore = list(gitignore) if paths.generated_from_gitignore else []
         self._gitignored = pathspec.GitIgnoreSpec.from_lines(self.gitignore)
+        # Memo of classify: a verdict depends only on the path, whether it is a directory and
+        # what is fixed above, and matching every pattern set costs ~10 µs a path, paid again
+        # each time the kernel forgets an inode and meets its name anew.
+        self._memo: dict[tuple[str, bool], Classification] = {}
 
     def classify(self, path: str, is_dir: bool) -> Classification:
         """Classify *path* (relative to the root, '/'-separated, '' for the root itself)."""
+        key = (path, is_dir)
+        where = self._memo.get(key)
+        if where is None:
+            if len(self._memo) >= _MEMO_MAX:
+                self._memo.clear()  # bounded; refilled from what is in use
+            where = self._memo[key] = self._classify(path, is_dir)
+        return where
+
+    def _classify(self, path: str, is_dir: bool) -> Classification:
         if path == "":
             return Classification(Scope.OUT_OF_SCOPE, "workspace root")
         probe = path + "/" if is_dir else path

@@ -31,6 +31,7 @@ import errno
 import logging
 import os
 import shutil
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,12 +64,17 @@ class ScratchBacking(Backing):
         self._dev = os.stat(self.root_fd).st_dev
         self.roots: set[str] = set()
         self._children: dict[str, set[str]] = {}  # a directory's path -> names of the roots in it
+        self._names: Counter[str] = Counter()  # the roots' last names, with how many roots have each
 
     # ----- which layer -------------------------------------------------------------
 
     def in_scratch(self, path: str) -> bool:
         """Whether *path* is a scratch root or below one."""
         if not self.roots or path == "":
+            return False
+        # Below a root, a path holds that root's last name: most paths hold none, and a few
+        # substring searches cost less than slicing every ancestor of the path.
+        if not any(name in path for name in self._names):
             return False
         end = path.find("/")
         while end != -1:
@@ -169,7 +175,9 @@ class ScratchBacking(Backing):
         head, _, name = path.rpartition("/")
         if head:
             os.makedirs(os.path.join(self.scratch_dir, head), mode=0o755, exist_ok=True)
-        self.roots.add(path)
+        if path not in self.roots:
+            self.roots.add(path)
+            self._names[name] += 1
         self._children.setdefault(head, set()).add(name)
         log.debug("scratch root %s", path)
 
@@ -178,6 +186,9 @@ class ScratchBacking(Backing):
         if path in self.roots:
             self.roots.discard(path)
             head, _, name = path.rpartition("/")
+            self._names[name] -= 1
+            if not self._names[name]:
+                del self._names[name]
             names = self._children.get(head)
             if names is not None:
                 names.discard(name)

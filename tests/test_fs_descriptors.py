@@ -63,6 +63,9 @@ def test_open_files_until_refused_then_the_guard_still_works(tmp_path: Path) -> 
             with pytest.raises(OSError) as info:
                 (g.mnt / "work/f").read_text()
             assert info.value.errno == errno.ENFILE
+            with pytest.raises(OSError) as info:  # an opendir too
+                list((g.mnt / "work").iterdir())
+            assert info.value.errno == errno.ENFILE
             with pytest.raises(OSError) as info:
                 (g.mnt / "work/new").write_text("x\n")
             assert info.value.errno == errno.ENFILE

@@ -124,3 +124,20 @@ def test_decisions_name_their_pattern() -> None:
     assert policy.classify("src/other.py", False).scope is Scope.OUT_OF_SCOPE
     read_only = PathPolicy(parse_manifest('[task]\nid = "t"\ngoal = "g"\n[paths]\ngit_internals = "read-only"\n'))
     assert read_only.classify(".git/index", False).scope is Scope.PROTECTED
+
+
+def test_memoized_verdicts_are_the_verdicts_and_the_memo_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import guardfs.policy as policy_module
+
+    monkeypatch.setattr(policy_module, "_MEMO_MAX", 8)
+    policy = PathPolicy(parse_manifest(
+        '[task]\nid = "t"\ngoal = "g"\n[paths]\nallowed = ["src/checkout/"]\nforbidden = [".env*", "**/migrations/"]\n'
+    ))
+    paths = [*PATHS, ("src/checkout/a.py", False), ("src/checkout/migrations", True), ("src/checkout", True)]
+    for rounds in range(3):  # first from the patterns, then from the memo (and cleared on the way)
+        for path, is_dir in paths:
+            assert policy.classify(path, is_dir) == policy._classify(path, is_dir), (path, is_dir, rounds)
+            assert len(policy._memo) <= 8
+    # A name met as a directory and as a file is judged for each: the trailing slash matters.
+    assert policy.classify("src/checkout/migrations", True).scope is Scope.FORBIDDEN
+    assert policy.classify("src/checkout/migrations", False).scope is Scope.ALLOWED
