@@ -8,6 +8,7 @@ import resource
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,13 @@ def _trips(events: list[dict[str, object]]) -> list[object]:
     return [e["rule"] for e in events if e["op"] == "trip"]
 
 
+def _errno_of(action: Callable[[], object]) -> int:
+    """The errno *action* fails with (it must fail)."""
+    with pytest.raises(OSError) as info:
+        action()
+    return info.value.errno or 0
+
+
 def test_open_files_until_refused_then_the_guard_still_works(tmp_path: Path) -> None:
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft > 1 << 16:
@@ -59,20 +67,12 @@ def test_open_files_until_refused_then_the_guard_still_works(tmp_path: Path) -> 
             # Refused by the guard, at its reserve, long before the holder's own limit.
             assert err == errno.ENFILE
             assert soft - FD_RESERVE - 100 < count < soft - FD_RESERVE
-            # Refused the same way in this process: a read-only open and a create in scope.
-            with pytest.raises(OSError) as info:
-                (g.mnt / "work/f").read_text()
-            assert info.value.errno == errno.ENFILE
-            with pytest.raises(OSError) as info:  # an opendir too
-                list((g.mnt / "work").iterdir())
-            assert info.value.errno == errno.ENFILE
-            with pytest.raises(OSError) as info:
-                (g.mnt / "work/new").write_text("x\n")
-            assert info.value.errno == errno.ENFILE
+            # Refused the same way in this process: a read-only open, an opendir and a create in scope.
+            assert _errno_of((g.mnt / "work/f").read_text) == errno.ENFILE
+            assert _errno_of(lambda: list((g.mnt / "work").iterdir())) == errno.ENFILE
+            assert _errno_of(lambda: (g.mnt / "work/new").write_text("x\n")) == errno.ENFILE
             # The reserve: a violation is judged, recorded and trips; the ledger is written.
-            with pytest.raises(OSError) as info:
-                (g.mnt / "README.md").write_text("out of scope\n")
-            assert info.value.errno == errno.EROFS
+            assert _errno_of(lambda: (g.mnt / "README.md").write_text("out of scope\n")) == errno.EROFS
             assert _trips(g.events()) == ["scope_spill"]
             ledger = run / "ledger.json"
             wait_for(lambda: json.loads(ledger.read_text())["state"] != "CLOSED", "the ledger to record the trip")
