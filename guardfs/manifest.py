@@ -62,25 +62,25 @@ def _check_pattern(pattern: str) -> str:
     return pattern
 
 
-def _check_not_broad(pattern: str) -> str:
+def _refuse_broad(pattern: str, consequence: str) -> str:
+    """*pattern*, unless it would match nearly every file: then a ValueError saying
+    *consequence* ("it would ...; what to do instead")."""
     spec = pathspec.GitIgnoreSpec.from_lines([pattern])
     if not pattern.startswith("!") and any(spec.match_file(p) for p in _BROAD_PROBES):
-        raise ValueError(
-            f"{pattern!r} is over-broad: it would forbid nearly every file in the workspace; "
-            "name the files or directories to protect, or use a read-only profile "
-            "(paths.allowed = []) to forbid writes everywhere"
-        )
+        raise ValueError(f"{pattern!r} is over-broad: {consequence}")
     return pattern
+
+
+def _check_not_broad(pattern: str) -> str:
+    return _refuse_broad(pattern, (
+        "it would forbid nearly every file in the workspace; name the files or directories to "
+        "protect, or use a read-only profile (paths.allowed = []) to forbid writes everywhere"))
 
 
 def _check_generated_not_broad(pattern: str) -> str:
-    spec = pathspec.GitIgnoreSpec.from_lines([pattern])
-    if not pattern.startswith("!") and any(spec.match_file(p) for p in _BROAD_PROBES):
-        raise ValueError(
-            f"{pattern!r} is over-broad: it would make nearly every file generated output, which no "
-            "limit counts and no rollback restores; name the cache or build directories instead"
-        )
-    return pattern
+    return _refuse_broad(pattern, (
+        "it would make nearly every file generated output, which no limit counts and no "
+        "rollback restores; name the cache or build directories instead"))
 
 
 Pattern = Annotated[str, AfterValidator(_check_pattern)]

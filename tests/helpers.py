@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -9,6 +10,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -112,3 +114,13 @@ def npm_cli(package: str, version: str, command: str, cache_name: str) -> Path:
     found = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
     assert version in found.stdout, found.stderr
     return binary
+
+
+def reports(log: Path) -> list[dict[str, Any]]:
+    """The JSON objects a hostile agent script printed, one a line, in *log* (its stdout.log)."""
+    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+
+
+def run_events(run_dir: Path) -> list[dict[str, Any]]:
+    """Every event of the run whose directory is *run_dir*."""
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from .helpers import FIX_TAX, FORBIDDEN_TERMINAL, snapshot
+from .helpers import FIX_TAX, FORBIDDEN_TERMINAL, reports, snapshot
 
 # Each test reads one real guard run: root (as CI, and for --user) and a FUSE mount.
 pytestmark = [pytest.mark.root, pytest.mark.mount]
@@ -188,11 +188,7 @@ def _hostile_run(base: Path, user: str | None) -> Run:
          python3, "-c", HOSTILE, str(ws)],
         cwd=ws, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
     )
-    attacks: dict[str, dict[str, Any]] = {}
-    for line in (run_dir / "stdout.log").read_text().splitlines():
-        if line.startswith("{"):
-            got = json.loads(line)
-            attacks[got["attack"]] = got
+    attacks = {got["attack"]: got for got in reports(run_dir / "stdout.log")}
     return Run(ws, run_dir, proc.returncode, proc.stderr, before, host_before, attacks)
 
 

@@ -10,7 +10,6 @@ filter would create must be absent.
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import pytest
 
 from guardfs.gitguard import config_problems
 
-from .helpers import FIX_TAX, git_env, require
+from .helpers import FIX_TAX, git_env, reports, require, run_events
 
 USERS = [None, "nobody"]
 
@@ -132,11 +131,9 @@ def _guard_run(tmp_path: Path, ws: Path, manifest: Path, user: str | None, scrip
         cwd=ws, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
     )
     moves: dict[str, object] = {}
-    for line in (run_dir / "stdout.log").read_text().splitlines():
-        if line.startswith("{"):
-            moves.update(json.loads(line))
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    return moves, [e for e in events if e.get("decision") == "deny"]
+    for report in reports(run_dir / "stdout.log"):
+        moves.update(report)
+    return moves, [e for e in run_events(run_dir) if e.get("decision") == "deny"]
 
 
 def _host_git(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -20,7 +20,6 @@ trip of its own and the --ci run recovers.
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import FIX_TAX, git_env, require
+from .helpers import FIX_TAX, git_env, reports, require, run_events
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
 
@@ -240,11 +239,9 @@ def _guard_run(tmp_path: Path, ws: Path, manifest: Path, user: str | None, scrip
         cwd=ws, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
     )
     moves: dict[str, object] = {}
-    for line in (run_dir / "stdout.log").read_text().splitlines():
-        if line.startswith("{"):
-            moves.update(json.loads(line))
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    return moves, events, proc
+    for report in reports(run_dir / "stdout.log"):
+        moves.update(report)
+    return moves, run_events(run_dir), proc
 
 
 def _host_git(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -25,7 +25,7 @@ from guardfs.manifest import parse_manifest
 from sandbox.breaker import Breaker, State
 from sandbox.breaker.client import GuardClient, GuardClientError
 
-from .helpers import FIX_TAX, state_of
+from .helpers import FIX_TAX, reports, state_of
 from .mounts import guarded_mount
 from .test_run import UNPRIVILEGED_PYTHON
 
@@ -106,12 +106,7 @@ def _guard(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _phases(run_dir: Path) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for line in (run_dir / "stdout.log").read_text().splitlines():
-        if line.startswith("{"):
-            report = json.loads(line)
-            out[report["phase"]] = report
-    return out
+    return {report["phase"]: report for report in reports(run_dir / "stdout.log")}
 
 
 def _hostile_run(tmp_path: Path, user: str | None, lib: str) -> tuple[Path, Path, dict[str, dict[str, Any]]]:

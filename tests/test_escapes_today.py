@@ -5,7 +5,6 @@ generated trees, trip on intent, git's own restores. Each attack runs from insid
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -16,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from .helpers import FIX_TAX, FORBIDDEN_TERMINAL
+from .helpers import FIX_TAX, FORBIDDEN_TERMINAL, reports, run_events
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
 
@@ -58,11 +57,9 @@ def _guard_run(tmp_path: Path, ws: Path, user: str | None, script: str, manifest
         cwd=ws, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
     )
     seen: dict[str, Any] = {}
-    for line in (run_dir / "stdout.log").read_text().splitlines():
-        if line.startswith("{"):
-            seen.update(json.loads(line))
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    return seen, events, proc
+    for report in reports(run_dir / "stdout.log"):
+        seen.update(report)
+    return seen, run_events(run_dir), proc
 
 
 # ----- native generated trees ---------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from .helpers import FIX_TAX
+from .helpers import FIX_TAX, reports
 from .test_bounds_disk import MiB, _guard_run_measured
 
 # Each test runs guard run for real: root (as CI) and a FUSE mount.
@@ -159,10 +159,8 @@ sys.exit(3)
 def moves(stderr_log: Path) -> dict[str, dict[str, Any]]:
     """The agent's report: one JSON object per move, by phase."""
     out: dict[str, dict[str, Any]] = {}
-    for line in stderr_log.read_text().splitlines():
-        if line.startswith("{"):
-            report = json.loads(line)
-            out.setdefault(report["phase"], report)
+    for report in reports(stderr_log):
+        out.setdefault(report["phase"], report)
     return out
 
 

@@ -19,7 +19,7 @@ import pexpect
 import psutil
 import pytest
 
-from .helpers import FIX_TAX, FORBIDDEN_TERMINAL, snapshot, wait_for
+from .helpers import FIX_TAX, FORBIDDEN_TERMINAL, reports, snapshot, wait_for
 
 MANIFEST = FIX_TAX + FORBIDDEN_TERMINAL  # these tests are about what a terminal trip does
 
@@ -108,9 +108,8 @@ def test_escape_attempts_leave_workspace_and_host_untouched(tmp_path: Path) -> N
     )
     out, err = proc.communicate(timeout=120)
     results: dict[str, str] = {}
-    for line in (run_dir / "stdout.log").read_text().splitlines():
-        if line.startswith("{"):
-            results.update(json.loads(line))
+    for report in reports(run_dir / "stdout.log"):
+        results.update(report)
     assert "SUCCEEDED" not in results.values(), results
     assert results["signal guard"] == "ESRCH"  # not even visible: another PID namespace
     for name in ("proc root", "proc cwd", "proc fd"):
