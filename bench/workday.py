@@ -61,6 +61,23 @@ REQUIREMENTS = ["setuptools>=61,<69.3", "wheel", "asgiref>=3.8.1", "sqlparse>=0.
 TESTS = ["utils_tests", "template_tests", "forms_tests", "queries", "model_fields", "expressions", "lookup",
          "aggregation", "migrations", "validators", "i18n", "humanize_tests", "model_forms", "admin_changelist"]
 QUICK_TESTS = ["utils_tests"]
+#: Django's own .gitignore (the repository's, which the sdist leaves out).
+DJANGO_GITIGNORE = """*.egg-info
+*.pot
+*.py[co]
+.tox/
+__pycache__
+MANIFEST
+dist/
+docs/_build/
+docs/locale/
+node_modules/
+tests/coverage_html/
+tests/.coverage*
+build/
+tests/report/
+tests/screenshots/
+"""
 MODES = ("native", "guard", "guard-fuse", "guard-lanes", "passthrough_hp")
 GUARD_MODES = ("guard", "guard-fuse", "guard-lanes")
 DEFAULT_MODES = ("native", "guard", "guard-fuse", "passthrough_hp")
@@ -115,6 +132,10 @@ def make_template(sdist: Path, where: Path) -> Path:
     repo = where / "template"
     (where / f"Django-{DJANGO}").rename(repo)
     shutil.rmtree(repo / "Django.egg-info", ignore_errors=True)  # the sdist's, which an install rewrites
+    # The sdist has no .gitignore; Django's repository does, and an agent's `git add -A` relies on
+    # it: without it, bytecode (which under guard lives only in the run's scratch layer) would be
+    # staged, and the index update refused.
+    (repo / ".gitignore").write_text(DJANGO_GITIGNORE)
     for step in (["init", "-q"], ["config", "gc.auto", "0"], ["add", "-A"], ["commit", "-q", "-m", "Django 5.2"],
                  ["gc", "-q"]):
         sh("git", *step, cwd=repo)
