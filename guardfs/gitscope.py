@@ -256,8 +256,7 @@ class GitScope:
                 except (OSError, ValueError, KeyError, NotTreeError, AssertionError) as err:
                     return f"it names {sha.decode()}, which the guard cannot read ({err})"
                 if change is not None:
-                    what = "forbidden" if change.where.scope is Scope.FORBIDDEN else "outside the task's scope"
-                    return (f"it names commit {sha.decode()}, which changes {change.path} ({what}: "
+                    return (f"it names commit {sha.decode()}, which changes {change.path} ({_what(change.where)}: "
                             f"{change.where.describe()})")
                 self._named.add(sha)
         return None
@@ -311,9 +310,8 @@ class GitScope:
             return None
         where = change.where
         code = ERRNO_FORBIDDEN if where.scope is Scope.FORBIDDEN else ERRNO_READ_ONLY
-        what = "forbidden" if where.scope is Scope.FORBIDDEN else "outside the task's scope"
         return _deny(change.path, where, code, (
-            f"git: renaming {src} to {dst} would change {change.path}, which is {what} "
+            f"git: renaming {src} to {dst} would change {change.path}, which is {_what(where)} "
             f"({where.describe()}); commit and stage only paths the task may write"))
 
     def _judge(self, src: str, dst: str) -> _Change | None:
@@ -379,6 +377,15 @@ class GitScope:
         except (KeyError, NotTreeError):
             return ()
         return ((cleanup_mode(mode), sha),)
+
+
+def _what(where: Classification) -> str:
+    """What a path git may not record is, in a refusal's words."""
+    if where.scope is Scope.FORBIDDEN:
+        return "forbidden"
+    if where.scope in (Scope.GENERATED, Scope.GENERATED_OUTSIDE):
+        return "generated output, kept apart from the workspace (ignore it in .gitignore)"
+    return "outside the task's scope"
 
 
 def _deny(path: str, where: Classification, err: int, reason: str) -> Verdict:

@@ -331,3 +331,21 @@ def test_npm_install_of_a_local_package_in_scope(tmp_path: Path) -> None:
     assert (run.ws / "src/checkout/node_modules/hello-js/index.js").exists()
     # package-lock.json is the project's own file, written by npm: counted; node_modules/ never.
     assert set(run.counted()["list"]) <= {"src/checkout/package-lock.json"}
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_staging_bytecode_held_in_scratch_is_refused_and_says_the_way_out(tmp_path: Path) -> None:
+    """In a repository without a .gitignore for bytecode, `git add -A` would record files that
+    exist only in the run's scratch layer (and a host checkout would then write them): the index
+    update is refused quietly, saying why; staging the sources alone works."""
+    run = Tools(tmp_path)
+    result = run("cd src/checkout && /usr/bin/python3 -c 'import tax' && cd ../.. && echo '# e' >> src/checkout/tax.py"
+                 " && { git add -A src/checkout; echo ADD=$?; } && git add src/checkout/tax.py"
+                 " && git commit -qm tidy; echo STATUS=$?")
+    assert result.returncode == 0 and "STATUS=0" in run.log(), run.log()[-2000:]
+    assert "ADD=128" in run.log() and run.trips() == [], run.log()[-2000:]
+    [denial] = run.denials()
+    assert denial["target"] == ".git/index" and "generated output" in denial["reason"], denial
+    assert run.git("show", "--name-only", "--format=", "HEAD").split() == ["src/checkout/tax.py"]
+    assert not (run.ws / "src/checkout/__pycache__").exists()  # bytecode stayed in scratch
