@@ -313,7 +313,9 @@ class SandboxSettings(_Strict):
         description=(
             "Heavy, read-mostly directories of the workspace (e.g. 'node_modules', '.venv') that "
             "guard run binds natively read-only into the sandbox, so reading them never crosses "
-            "FUSE. Forbidden paths inside are masked. The agent cannot write there at all, and "
+            "FUSE. A lane is made only where no paths.forbidden pattern can match beneath it, now "
+            "or later (one matching at any depth, like '.env*', leaves no lanes; an anchored one "
+            "keeps its way behind the mount). The agent cannot write there at all, and "
             "neither its reads nor its refused writes there reach the breaker."
         ),
     )
