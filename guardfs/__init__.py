@@ -21,6 +21,11 @@ sockets; ``sandbox`` builds on it, never the reverse.
 import importlib
 from typing import TYPE_CHECKING
 
+from guardfs import fusereply
+
+# Before anything imports pyfuse3 (guardfs.fusereply says why).
+fusereply.load()
+
 if TYPE_CHECKING:
     from guardfs.decision import Decider, LimitsDecider, Request, Verdict
     from guardfs.errors import GuardError, ManifestError, MountError

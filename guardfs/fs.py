@@ -29,6 +29,7 @@ import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
+from guardfs import fusereply
 from guardfs.accounting import WriteAccounting, WriteSession
 from guardfs.backing import Backing
 from guardfs.checkpoint import PreImages
@@ -719,7 +720,9 @@ class GuardFS(pyfuse3.Operations):
         entry.handles.add(fd)
         if request is not None and request.new_files:
             self.gate.done(request)
-        return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fd), keep_cache=True)
+        # A descriptor open for reading has nothing to flush: its close(2) need not wait for us.
+        fh = fd if writable else fusereply.handle(fd, fusereply.NOFLUSH)
+        return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fh), keep_cache=True)
 
     @_fuse_errors
     async def create(
@@ -824,7 +827,12 @@ class GuardFS(pyfuse3.Operations):
         dh = self._next_dir
         self._next_dir += 1
         self._dirs[dh] = _Dir(fd, entry)
-        return pyfuse3.FileHandleT(dh)
+        if entry.virtual:
+            return pyfuse3.FileHandleT(dh)
+        # The kernel keeps the listing until the directory changes: through the mount (the
+        # kernel drops it itself) or behind it (seen by the mtime getattr reports, once the
+        # attribute timeout has passed, as for every other cached attribute).
+        return pyfuse3.FileHandleT(fusereply.handle(dh, fusereply.CACHE_DIR))
 
     @_fuse_errors
     async def readdir(self, fh: pyfuse3.FileHandleT, start_id: int, token: pyfuse3.ReaddirToken) -> None:

@@ -7,3 +7,7 @@ agent), the agent adapters and hooks, quarantined tool runs (``guard exec``), re
 the CLI that ties them together (``guard check|mount|run|status|approve|stop|checkpoint|
 rollback|feed|hook|exec|report|demo``).
 """
+
+# guardfs first, before anything of ours imports pyfuse3: guardfs.fusereply must be loaded
+# before pyfuse3 is, or the kernel's listing cache stays off.
+import guardfs  # noqa: F401

@@ -1,0 +1,108 @@
+/*
+ * guardfs._fusereply: the open flags pyfuse3 cannot set.
+ *
+ * pyfuse3 (3.5) replies to OPEN and OPENDIR with the fuse_file_info it was given, setting
+ * only fh, direct_io, keep_cache and nonseekable. Two flags of libfuse's struct matter to
+ * the guard and are out of its reach:
+ *
+ *   cache_readdir (FOPEN_CACHE_DIR): the kernel keeps a directory's listing in its page
+ *     cache and serves the next opendir/getdents from it until the directory changes
+ *     (through the mount, or its mtime as our getattr reports it). Build tools list the
+ *     same directories tens of thousands of times (setuptools' egg_info globs the whole
+ *     tree once per MANIFEST.in rule); each listing is otherwise two READDIRPLUS requests
+ *     with a stat per name.
+ *   noflush (FOPEN_NOFLUSH): close(2) of a descriptor opened for reading sends no FLUSH,
+ *     a synchronous round trip that does nothing for a read-only file.
+ *
+ * This module, loaded with RTLD_GLOBAL before the first reply (guardfs/__init__.py), defines
+ * fuse_reply_open; the dynamic linker binds pyfuse3's call to it (global scope first) and
+ * it calls libfuse's own. guardfs asks for the flags in the top byte of the file handle it
+ * returns (guardfs.fusereply), which this strips before the kernel sees it, so every later
+ * request carries the handle guardfs knows. The kernel keeps handles opaque; guardfs's own
+ * stay far below 2^56.
+ *
+ * guardfs sets no flag until this has seen a reply pass (seen() > 0): where the linker
+ * bound pyfuse3 elsewhere (LD_BIND_NOW before this was loaded), no handle ever carries a
+ * flag the kernel would keep.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <dlfcn.h>
+#include <stdint.h>
+
+#define FUSE_USE_VERSION 35
+#include <fuse3/fuse_lowlevel.h>
+
+#define FLAG_SHIFT 56
+#define FLAG_CACHE_DIR 1u
+#define FLAG_NOFLUSH 2u
+
+typedef int (*reply_open_fn)(fuse_req_t, const struct fuse_file_info *);
+
+static reply_open_fn real_reply_open;
+static unsigned long long replies_seen;
+static unsigned long long flags_applied;
+
+static reply_open_fn find_real(void)
+{
+    /* libfuse is loaded by now (pyfuse3, which calls us, needs it); look the symbol up in
+     * its own scope, never the global one, which finds this function again. */
+    void *lib = dlopen("libfuse3.so.3", RTLD_LAZY | RTLD_NOLOAD);
+    return lib == NULL ? NULL : (reply_open_fn)dlsym(lib, "fuse_reply_open");
+}
+
+int fuse_reply_open(fuse_req_t req, const struct fuse_file_info *fi)
+{
+    if (real_reply_open == NULL && (real_reply_open = find_real()) == NULL)
+        return fuse_reply_err(req, EIO);
+    replies_seen++;
+    unsigned flags = (unsigned)(fi->fh >> FLAG_SHIFT);
+    if (flags == 0)
+        return real_reply_open(req, fi);
+    struct fuse_file_info out = *fi;
+    out.fh &= (UINT64_C(1) << FLAG_SHIFT) - 1;
+    if (flags & FLAG_CACHE_DIR) {
+        out.cache_readdir = 1;
+        out.keep_cache = 1;  /* keep what is cached from an earlier opendir */
+    }
+    if (flags & FLAG_NOFLUSH)
+        out.noflush = 1;
+    flags_applied++;
+    return real_reply_open(req, &out);
+}
+
+static PyObject *seen(PyObject *self, PyObject *unused)
+{
+    return PyLong_FromUnsignedLongLong(replies_seen);
+}
+
+static PyObject *applied(PyObject *self, PyObject *unused)
+{
+    return PyLong_FromUnsignedLongLong(flags_applied);
+}
+
+static PyMethodDef methods[] = {
+    {"seen", seen, METH_NOARGS, "Replies to OPEN and OPENDIR that passed through here."},
+    {"applied", applied, METH_NOARGS, "Replies whose handle asked for a flag (and got it)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "guardfs._fusereply",
+    "fuse_reply_open with the open flags pyfuse3 cannot set (see the C source).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__fusereply(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "FLAG_SHIFT", FLAG_SHIFT) < 0
+        || PyModule_AddIntConstant(m, "CACHE_DIR", FLAG_CACHE_DIR) < 0
+        || PyModule_AddIntConstant(m, "NOFLUSH", FLAG_NOFLUSH) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
