@@ -40,7 +40,8 @@ install_system_packages() {
 install_venv() {
     local stamp="$VENV/.guardfs-installed"
     local want
-    want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+    # What the install builds from: a change to any of them is a new install (the C module too).
+    want=$(cat pyproject.toml setup.py guardfs/_fusereply.c | sha256sum | cut -d' ' -f1)
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
         return 0
     fi
