@@ -251,7 +251,7 @@ def test_a_tree_that_cannot_be_staged_falls_back_to_the_mount(
     stage.mkdir()
     opts = RunOptions(parse_manifest(NATIVE), ws, tmp_path / "run", ["true"], ws, user="nobody")
     events = EventLog(tmp_path / "events.jsonl")
-    assert _native_generated(opts, "/usr/bin/bwrap", NativeStage(stage), events) == []
+    assert _native_generated(opts, "/usr/bin/bwrap", NativeStage(stage), events) == ([], [])
     events.close()
     assert "native generated trees are off: [Errno 1] binding" in capsys.readouterr().err
     assert list(stage.iterdir()) == []
