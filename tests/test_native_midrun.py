@@ -5,6 +5,9 @@ the real FUSE mount)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -232,3 +235,26 @@ def test_a_venv_and_a_pip_install_made_during_the_run_land_natively(tmp_path: Pa
     assert (venv / "pyvenv.cfg").is_file() and (venv / "bin/python").exists()
     assert list(venv.glob("lib/python3*/site-packages/tiny/__init__.py"))
     assert list(venv.glob("lib/python3*/site-packages/pip/__init__.py"))  # ensurepip's, before or after the bind
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_a_tree_made_during_the_run_of_an_agent_of_another_user(tmp_path: Path) -> None:
+    """--user: bubblewrap runs unprivileged, in a user namespace of its own; the root guard
+    still enters its mount namespace and binds the tree, which the agent writes natively."""
+    ws, manifest = workspace(tmp_path)
+    subprocess.run(["chown", "-R", "65534:65534", str(ws)], check=True)
+    # A bounded wait, inside the sandbox, for the bind to land (2,000 polls of 10 ms at most).
+    script = ('mkdir .venv && for i in $(seq 2000); do grep -q " $PWD/.venv " /proc/self/mountinfo && break; '
+              'sleep 0.01; done; id -u; stat -f -c %T .venv; echo new > .venv/new.txt && echo wrote')
+    run = subprocess.run(
+        [sys.executable, "-m", "sandbox", "run", "--ci", "--user", "nobody", "--manifest", str(manifest),
+         "--run-dir", str(tmp_path / "run"), "--", "sh", "-c", script],
+        cwd=ws, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )
+    assert run.returncode == 0, run.stderr
+    uid, fs, wrote = (tmp_path / "run/stdout.log").read_text().split()
+    assert (uid, wrote) == ("65534", "wrote")
+    assert not fs.startswith("fuse"), run.stderr
+    assert (ws / ".venv/new.txt").read_text() == "new\n"
+    assert os.stat(ws / ".venv/new.txt").st_uid == 65534
