@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 from guardfs.events import EventLog
 from guardfs.manifest import parse_manifest
 from sandbox.launch import native
 from sandbox.launch.inject import MidRunBinder
 from sandbox.launch.native import MidRunRules
+from sandbox.launch.supervisor import ProcessTree
 
 from .helpers import run_events
 from .test_run import guard_run
@@ -103,6 +105,35 @@ def test_an_unprivileged_guard_says_once_that_it_leaves_them_to_the_mount(tmp_pa
     events.close()
     assert said == ["generated tree .venv made during the run goes through the mount: binding it into the running "
                     "sandbox needs a root guard (bound natively from the next run on)"]
+
+
+async def test_a_bind_that_fails_is_said_and_the_tree_stays_behind_the_mount(tmp_path: Path) -> None:
+    """A real failure, not a mock: the agent's process tree has no process in a namespace of
+    its own (a plain child of ours), so there is no sandbox to enter. The binder says so and
+    goes on; nothing is raised, nothing recorded as bound."""
+    ws, manifest = workspace(tmp_path)
+    (ws / ".venv").mkdir()
+    said: list[str] = []
+    events = EventLog(tmp_path / "events.jsonl")
+    rules = MidRunRules(parse_manifest(manifest.read_text()), ws, [])
+    binder = MidRunBinder(rules, str(ws), events, said.append)
+    child = await trio.lowlevel.open_process(["sleep", "60"])
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(binder.serve, ProcessTree(child.pid))
+            binder.created(".venv", (ws / ".venv").stat().st_ino)
+            with trio.fail_after(20):
+                while not said:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    finally:
+        child.kill()
+        await child.wait()
+        events.close()
+    assert said == ["generated tree .venv made during the run stays behind the mount: no process of the sandbox "
+                    "found to enter its mount namespace"]
+    assert rules.trees == []
+    assert (tmp_path / "events.jsonl").read_text() == ""
 
 
 HELD = PRELUDE + """

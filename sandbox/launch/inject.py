@@ -99,7 +99,6 @@ class MidRunBinder:
         self.events = events
         self.say = say
         self.enabled = enabled
-        self.bound: list[str] = []
         self._send, self._queue = trio.open_memory_channel[tuple[str, int]](math.inf)  # at most one per candidate
         self._namespace: int | None = None
         self._said = False
@@ -123,7 +122,8 @@ class MidRunBinder:
                 await self._bind(tree, path, ino)
         finally:
             if self._namespace is not None:
-                os.close(self._namespace)  # it holds the sandbox's namespace, the mount's bind in it, alive
+                # Held, it would keep the sandbox's namespace alive, with the mount's bind in it.
+                os.close(self._namespace)
 
     async def _bind(self, tree: ProcessTree, path: str, ino: int) -> None:
         reason = await trio.to_thread.run_sync(self.rules.refusal, path)
@@ -150,14 +150,14 @@ class MidRunBinder:
             if waited.cancelled_caught:
                 raise OSError(f"no answer within {BIND_TIMEOUT:.0f} s")
             if done.returncode != 0:
-                raise OSError(done.stderr.decode(errors="replace").strip().splitlines()[-1:] or done.returncode)
+                said = done.stderr.decode(errors="replace").strip().splitlines()
+                raise OSError(said[-1] if said else f"the helper exited with {done.returncode}")
         except OSError as err:
             self.say(f"generated tree {path} made during the run stays behind the mount: {err}")
             return
         finally:
             os.close(source)
         self.rules.trees.append(path)
-        self.bound.append(path)
         self.say(f"generated tree made during the run (written natively from now on, not seen by the breaker): "
                  f"{path}")
         self.events.emit("native", path, "allow", trees=[path], masked=0, during_run=True)
@@ -181,12 +181,14 @@ def _sandbox_namespace(tree: ProcessTree) -> int:
     while level:
         below: list[psutil.Process] = []
         for proc in level:
-            with contextlib.suppress(OSError, psutil.Error):
+            try:
                 fd = os.open(f"/proc/{proc.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
-                # Still the process we meant (pid reuse), checked after the open that pins the namespace.
-                if os.fstat(fd).st_ino != ours and proc.is_running():
-                    return fd
-                os.close(fd)
+            except OSError:
+                continue  # gone
+            # Still the process we meant (pid reuse), checked after the open that pins the namespace.
+            if os.fstat(fd).st_ino != ours and proc.is_running():
+                return fd
+            os.close(fd)
             with contextlib.suppress(psutil.Error):
                 below += proc.children()
         level = below
