@@ -54,7 +54,8 @@ __all__ = ["MidRunBinder"]
 BIND_TIMEOUT = 30.0
 
 # The helper, run as `python -I -S -c HELPER <source fd> <namespace fd> <workspace> <path> <inode>`.
-# x86_64 system call numbers (Python 3.11 has no wrappers): open_tree 428, move_mount 429, openat2 437.
+# System call numbers (Python 3.11 has no wrappers), the same on every architecture since the
+# tables were unified (alpha aside): open_tree 428, move_mount 429, openat2 437.
 _HELPER = r"""
 import ctypes, os, sys
 libc = ctypes.CDLL(None, use_errno=True)
