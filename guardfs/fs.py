@@ -211,6 +211,8 @@ class GuardFS(pyfuse3.Operations):
         self._as_root = os.geteuid() == 0
         self.state_text = state_text or functools.partial(default_state, manifest, self.accounting, events)
         self.guard = GuardNode(self.inodes, self.state_text, cache_timeout)
+        #: Told of each directory made in scope and generated (path, inode); it must not wait.
+        self.on_generated_dir: Callable[[str, int], None] | None = None
         self.preimages = None if checkpoint_dir is None else PreImages(
             self.backing, checkpoint_dir, manifest.sandbox.checkpoint_max_bytes, events.emit,
             generated=self.policy.generated)
@@ -527,7 +529,10 @@ class GuardFS(pyfuse3.Operations):
         """Create a directory (directories do not count toward the blast radius)."""
         _, path = self._child(parent_inode, name)
         where = self._where(path, None, True)
-        return await self._created("mkdir", path, where, ctx, lambda d, n: os.mkdir(n, mode, dir_fd=d), mode)
+        attr = await self._created("mkdir", path, where, ctx, lambda d, n: os.mkdir(n, mode, dir_fd=d), mode)
+        if where.scope is Scope.GENERATED and self.on_generated_dir is not None:
+            self.on_generated_dir(path, attr.st_ino)  # the launcher may bind it natively (sandbox.launch.inject)
+        return attr
 
     @_fuse_errors
     async def symlink(

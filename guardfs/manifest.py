@@ -333,7 +333,8 @@ class SandboxSettings(_Strict):
         default=True,
         description=(
             "Bind each literal directory of paths.generated that exists inside paths.allowed at the "
-            "start natively and writable into the sandbox: installs and builds there run at native "
+            "start (and, with a root guard, each one made during the run) natively and writable into "
+            "the sandbox: installs and builds there run at native "
             "speed and never reach the breaker (they would not count anyway). Forbidden paths "
             "inside are masked. false: everything goes through the mount."
         ),

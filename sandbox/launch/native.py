@@ -19,8 +19,10 @@ cannot be removed, so ``rm -rf .venv`` empties the tree and then fails on the di
 itself (EBUSY); ``python -m venv --clear .venv`` empties it in place and works (but for a
 masked path, which stays).
 
-A generated directory that does not exist at the start is left to the mount (it is created,
-and written, through FUSE, uncounted); the next run binds it. See the README for why.
+A generated directory that does not exist at the start is created through the mount; a root
+guard then binds it into the running sandbox, by the same rules (:class:`MidRunRules`,
+:mod:`sandbox.launch.inject`). An unprivileged one leaves it to the mount (written through
+FUSE, uncounted) and binds it from the next run on.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from guardfs.manifest import Manifest
 from guardfs.policy import GUARD_DIR, PathPolicy, Scope
 from sandbox.launch.lanes import StagedTrees
 
-__all__ = ["MAX_MASKS", "MAX_SCAN", "MAX_TREES", "NativeStage", "NativeTrees", "bind_writable", "plan_native"]
+__all__ = ["MAX_MASKS", "MAX_SCAN", "MAX_TREES", "MidRunRules", "NativeStage", "NativeTrees", "bind_writable",
+           "plan_native"]
 
 #: More forbidden paths than this inside one tree and it stays behind the mount (each mask is a mount).
 MAX_MASKS = 500
@@ -201,6 +204,53 @@ def plan_native(manifest: Manifest, workspace: Path, max_masks: int = MAX_MASKS)
         out.masked_files += files
         out.masked_dirs += dirs
     return out
+
+
+class MidRunRules:
+    """plan_native's judgement for a directory made during the run (sandbox.launch.inject):
+    a literal generated name (an unanchored one at most MAX_DEPTH deep), the whole tree in
+    scope, not in .git or the guard's files, not forbidden, no symlinked parent, no other
+    filesystem, MAX_TREES in all with the start's (*planned*), none inside another.
+
+    No forbidden path can be inside a directory the mount has just made (the mount refuses
+    to create one, and refuses a hard link of a forbidden file by inode); one the host put
+    there before the bind keeps the tree behind the mount. As at the start, a forbidden name
+    *created* in the tree once it is bound is not judged (see the module's docstring)."""
+
+    def __init__(self, manifest: Manifest, workspace: Path, planned: list[str]) -> None:
+        self.root = workspace.resolve()
+        self.manifest = manifest
+        self.anchored, self.names = _literal(list(getattr(manifest.paths, "generated", [])))
+        self.trees = list(planned)  # bound, at the start or since
+        self._seen = set(planned)  # every candidate queued: judged once; none looked for below one
+        self._planner: _Planner | None = None  # built on the first candidate, off the FUSE loop's way
+
+    def candidate(self, path: str) -> bool:
+        """Whether *path* names a native tree not seen before (cheap: called in the FUSE loop)."""
+        name = path.rpartition("/")[2]
+        if path not in self.anchored and (name not in self.names or path.count("/") >= MAX_DEPTH):
+            return False
+        if path in self._seen or any(path.startswith(seen + "/") for seen in self._seen):
+            return False
+        self._seen.add(path)
+        return True
+
+    def refusal(self, path: str) -> str | None:
+        """Why the directory *path*, now in the real workspace, may not be bound ('' when it
+        is simply not a native tree), or None when it may. Reads the real disk (a thread)."""
+        if len(self.trees) >= MAX_TREES:
+            return f"{path}: more than {MAX_TREES} generated trees; it stays behind the mount"
+        if self._planner is None:
+            self._planner = _Planner(self.manifest, self.root)
+        said = len(self._planner.out.skipped)
+        try:
+            if not self._planner.judge(path):
+                return "; ".join(self._planner.out.skipped[said:])
+        except OSError as err:  # removed since
+            return f"{path}: {err.strerror}"
+        if _masks(self.root, path, self.manifest, 0) == (None, None):
+            return f"{path}: forbidden paths are already inside; it stays behind the mount"
+        return None
 
 
 def _symlinked_parent(root: Path, path: str) -> str | None:

@@ -43,6 +43,7 @@ from sandbox.breaker import Breaker, Effect, Effects, State
 from sandbox.breaker.daemon import Daemon
 from sandbox.breaker.ledger import write_ledger
 from sandbox.exitcodes import Exit
+from sandbox.launch.inject import MidRunBinder
 from sandbox.launch.isolation import (
     SANDBOX_RUN_DIR,
     bwrap_argv,
@@ -54,7 +55,7 @@ from sandbox.launch.isolation import (
     unbind,
 )
 from sandbox.launch.lanes import LaneStage, plan_lanes
-from sandbox.launch.native import NativeStage, plan_native
+from sandbox.launch.native import MidRunRules, NativeStage, plan_native
 from sandbox.launch.quarantine import Recorder, console, digest
 from sandbox.launch.runs import claim_run_dir, live_run_dirs, registered, remove_stale_stages, stage_prefix
 from sandbox.launch.supervisor import ProcessTree, Spawner, wait_exit
@@ -88,6 +89,7 @@ class _Outcome:
     notes: list[str] = field(default_factory=list)
     tree: ProcessTree | None = None  # the agent's, once started
     recorders: list[Recorder] = field(default_factory=list)  # the agent's logs, for the summary
+    binder: MidRunBinder | None = None  # binds generated trees made during the run, once the agent runs
     failure: dict[str, str] | None = None  # the guard's own defect: what it was, where its traceback is
 
     def recorder(self, log: Path, echo: BinaryIO | None, cap: int) -> Recorder:
@@ -134,14 +136,17 @@ def run(opts: RunOptions) -> int:
     lane_stage = LaneStage(stage)
     lane_args = _fast_lanes(opts, bwrap, lane_stage, events)
     native_stage = NativeStage(stage)
-    lane_args += _native_generated(opts, bwrap, native_stage, events)
-    outcome = _Outcome()
+    native_args, planned = _native_generated(opts, bwrap, native_stage, events, private)
+    lane_args += native_args
+    outcome = _Outcome(binder=_midrun_binder(opts, bwrap, private, events, planned))
     with open(run_dir / "workspace", "w", opener=lambda p, f: os.open(p, f, 0o600)) as marker:
         marker.write(str(opts.workspace))  # for an offline guard rollback
     session = Session(opts.manifest, opts.workspace, events, run_dir=run_dir, agent_path=stage / "agent.sock",
                       checkpoints=True, cache_timeout=opts.cache_timeout, xattrs=opts.xattrs)
     for notice in session.notices:
         _say(notice)
+    if outcome.binder is not None:
+        session.fs.on_generated_dir = outcome.binder.created
     breaker, accounting = session.breaker, session.accounting
     try:
         # No umask(0): the agent keeps the user's umask; the mount gives each node it creates
@@ -373,30 +378,43 @@ def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: E
     return argv
 
 
-def _native_generated(opts: RunOptions, bwrap: str | None, stage: NativeStage, events: EventLog) -> list[str]:
+def _native_generated(opts: RunOptions, bwrap: str | None, stage: NativeStage, events: EventLog,
+                      private: bool = True) -> tuple[list[str], list[str]]:
     """bubblewrap arguments binding the run's in-scope generated directories natively and
-    writable (see sandbox.launch.native), said aloud and recorded as an event."""
+    writable (see sandbox.launch.native), said aloud and recorded as an event; and the trees
+    bound. *private*: the guard can bind trees made during the run (sandbox.launch.inject)."""
     if not opts.manifest.sandbox.native_generated or bwrap is None:
-        return []  # without the sandbox, nothing is bound: every path goes through the mount
+        return [], []  # without the sandbox, nothing is bound: every path goes through the mount
     try:
         native = plan_native(opts.manifest, opts.workspace)
         argv = stage.bwrap_args(native, opts.workspace.resolve(), str(opts.workspace), staged=opts.user is not None)
     except OSError as err:  # a speed-up only: without it the trees go through the mount
         stage.cleanup()
         _say(f"native generated trees are off: {err}; they go through the mount")
-        return []
+        return [], []
     for reason in native.skipped:
         _say(f"generated tree left to the mount: {reason}")
     for path in native.absent:
-        _say(f"generated tree {path} does not exist yet: made during this run, it goes through the mount "
-             "(bound natively from the next run on)")
+        _say(f"generated tree {path} does not exist yet: " + (
+            "made during this run, it is bound natively once made" if private else
+            "made during this run, it goes through the mount (bound natively from the next run on)"))
     if not native.trees:
-        return []
+        return [], []
     masked = len(native.masked_files) + len(native.masked_dirs)
     _say(f"generated trees (written natively, not seen by the breaker): {', '.join(native.trees)}"
          + (f"; {masked} forbidden path(s) masked inside" if masked else ""))
     events.emit("native", "", "allow", trees=native.trees, masked=masked)
-    return argv
+    return argv, native.trees
+
+
+def _midrun_binder(opts: RunOptions, bwrap: str | None, private: bool, events: EventLog,
+                   planned: list[str]) -> MidRunBinder | None:
+    """What binds the generated trees made during the run (sandbox.launch.inject): only a
+    guard with a private mount namespace (root) can; an unprivileged one says so once."""
+    if not opts.manifest.sandbox.native_generated or bwrap is None:
+        return None
+    return MidRunBinder(MidRunRules(opts.manifest, opts.workspace, planned), str(opts.workspace), events, _say,
+                        enabled=private)
 
 
 def _extra_writable(opts: RunOptions) -> list[Path]:
@@ -447,8 +465,7 @@ async def _run_agent(
             tree = outcome.tree = ProcessTree(proc.pid)
             try:
                 async with trio.open_nursery() as watchers:
-                    watchers.start_soon(_watch, session, tree, opts, outcome)
-                    watchers.start_soon(_on_signals, tree, outcome)
+                    _start_watchers(watchers, session, tree, opts, outcome)
                     with _raw_terminal(use_pty):
                         code = await wait_exit(proc)
                     outcome.status = 128 - code if code < 0 else code
@@ -463,6 +480,16 @@ async def _run_agent(
                 outcome.tripped = state  # the agent ended before the watcher could stop it
             if use_pty:
                 nursery.cancel_scope.cancel()  # the stdin forwarder never ends by itself
+
+
+def _start_watchers(watchers: trio.Nursery, session: Session, tree: ProcessTree, opts: RunOptions,
+                    outcome: _Outcome) -> None:
+    """The tasks that live as long as the agent: the breaker's watcher, the signal handler,
+    and the binder of generated trees made during the run."""
+    watchers.start_soon(_watch, session, tree, opts, outcome)
+    watchers.start_soon(_on_signals, tree, outcome)
+    if outcome.binder is not None:
+        watchers.start_soon(outcome.binder.serve, tree)
 
 
 def _pipe(streams: contextlib.ExitStack) -> tuple[trio.lowlevel.FdStream, int]:

@@ -1,0 +1,196 @@
+"""Generated trees made during the run, bound natively into the running sandbox.
+
+:mod:`sandbox.launch.native` binds the literal generated directories that exist when the
+run starts. The usual case is the other one: ``python -m venv .venv``, ``npm install`` make
+their tree during the run, and the whole install then crosses FUSE file by file. So when the
+mount creates (``mkdir``) a directory that :func:`~sandbox.launch.native.plan_native` would
+have bound had it existed at the start (the same judgement: :class:`MidRunRules`), the guard
+binds it, writable, over its place in the sandbox's own mount namespace:
+
+1. in the guard's (private) namespace, ``open_tree(OPEN_TREE_CLONE)`` of the real directory,
+   opened beneath the workspace without following a symlink, and the very inode the mount
+   just made (a directory of the scratch layer is another inode: it is never bound);
+2. ``setns`` into the mount namespace of a process of the sandbox;
+3. ``move_mount`` of that detached copy onto the directory as the sandbox sees it, opened
+   beneath the workspace the same way and checked to be the same inode (a name renamed or
+   replaced in between is left alone).
+
+Steps 2 and 3 need a single-threaded process (``setns`` refuses a process that shares its
+filesystem context with threads, as the guard does) and step 3's lookup goes through our own
+FUSE mount: a short-lived helper process does the three steps while the guard's trio loop
+goes on serving, never waiting on it inside a FUSE request.
+
+Nothing written before the bind lands is lost or doubled: the mount wrote it into the same
+real directory that is then bound, so it is there, once, on both sides of the bind; a file
+opened through the mount before the bind keeps writing into that same file.
+
+This needs a root guard (its private mount namespace, and the right to enter the sandbox's);
+an unprivileged guard leaves such trees to the mount, and says so once. A failed bind is
+said (``guard: ...``) and the tree stays behind the mount: it is a speed-up, never a reason
+to fail the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import stat
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import trio
+
+from guardfs.backing import openat2
+from guardfs.events import EventLog
+from sandbox.launch.native import MidRunRules
+from sandbox.launch.supervisor import ProcessTree
+
+__all__ = ["MidRunBinder"]
+
+#: How long a bind may take (its lookups go through the mount, which may be busy).
+BIND_TIMEOUT = 30.0
+
+# The helper, run as `python -I -S -c HELPER <source fd> <namespace fd> <workspace> <path> <inode>`.
+# System call numbers (Python 3.11 has no wrappers), the same on every architecture since the
+# tables were unified (alpha aside): open_tree 428, move_mount 429, openat2 437.
+_HELPER = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+
+def check(ret, what):
+    if ret < 0:
+        sys.exit(f"{what}: {os.strerror(ctypes.get_errno())}")
+    return ret
+
+class OpenHow(ctypes.Structure):
+    _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64))
+
+source, namespace, workspace, path, ino = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:5], int(sys.argv[5])
+# OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_EMPTY_PATH: a detached copy of the directory's mount.
+tree = check(libc.syscall(428, source, b"", 0x1 | os.O_CLOEXEC | 0x1000), "open_tree")
+check(libc.setns(namespace, 0x20000), "setns into the sandbox's mount namespace")  # CLONE_NEWNS
+root = os.open(workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+# RESOLVE_NO_XDEV | NO_MAGICLINKS | NO_SYMLINKS | BENEATH: the directory in the mount, nowhere else.
+how = OpenHow(os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, 0x0F)
+target = check(libc.syscall(437, root, path.encode(), ctypes.byref(how), ctypes.sizeof(how)), f"opening {path}")
+if os.fstat(target).st_ino != ino:
+    sys.exit(f"{path} was replaced before the bind")
+# MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH: both ends are the fds.
+check(libc.syscall(429, tree, b"", target, b"", 0x04 | 0x40), "move_mount")
+"""
+
+
+class MidRunBinder:
+    """Binds each generated directory the mount creates, that :class:`MidRunRules` admits,
+    into the running sandbox (see the module's docstring).
+
+    :meth:`created` is the mount's hook (``GuardFS.on_generated_dir``), called inside the
+    ``mkdir`` request: it only queues. :meth:`serve` binds, one tree after another, once the
+    agent's process tree exists. Without *enabled* (an unprivileged guard) nothing is bound
+    and the first candidate is said once."""
+
+    def __init__(self, rules: MidRunRules, seen_as: str, events: EventLog, say: Callable[[str], None],
+                 enabled: bool = True) -> None:
+        self.rules = rules
+        self.seen_as = seen_as  # the workspace's path inside the sandbox
+        self.events = events
+        self.say = say
+        self.enabled = enabled
+        self._send, self._queue = trio.open_memory_channel[tuple[str, int]](math.inf)  # at most one per candidate
+        self._namespace: int | None = None
+        self._said = False
+
+    def created(self, path: str, ino: int) -> None:
+        """The mount made directory *path* (inode *ino*) in scope and generated: queue it if
+        it names a native tree. Runs inside the FUSE request: cheap, never waits."""
+        if not self.rules.candidate(path):
+            return
+        if self.enabled:
+            self._send.send_nowait((path, ino))
+        elif not self._said:
+            self._said = True
+            self.say(f"generated tree {path} made during the run goes through the mount: binding it into the "
+                     "running sandbox needs a root guard (bound natively from the next run on)")
+
+    async def serve(self, tree: ProcessTree) -> None:
+        """Bind what is queued, for as long as the agent runs (cancelled when it ends)."""
+        try:
+            async for path, ino in self._queue:
+                await self._bind(tree, path, ino)
+        finally:
+            if self._namespace is not None:
+                # Held, it would keep the sandbox's namespace alive, with the mount's bind in it.
+                os.close(self._namespace)
+
+    async def _bind(self, tree: ProcessTree, path: str, ino: int) -> None:
+        reason = await trio.to_thread.run_sync(self.rules.refusal, path)
+        if reason is not None:
+            if reason:
+                self.say(f"generated tree left to the mount: {reason}")
+            return
+        try:
+            source = _open_beneath(self.rules.root, path)
+        except OSError as err:
+            self.say(f"generated tree {path} made during the run stays behind the mount: {err}")
+            return
+        try:
+            st = os.fstat(source)
+            if st.st_ino != ino or not stat.S_ISDIR(st.st_mode):
+                return  # renamed or replaced since, or made in the scratch layer: not this tree
+            if self._namespace is None:
+                self._namespace = _sandbox_namespace(tree)
+            argv = [sys.executable, "-I", "-S", "-c", _HELPER, str(source), str(self._namespace), self.seen_as,
+                    path, str(ino)]
+            with trio.move_on_after(BIND_TIMEOUT) as waited:
+                done = await trio.run_process(argv, pass_fds=(source, self._namespace), capture_stderr=True,
+                                              check=False)
+            if waited.cancelled_caught:
+                raise OSError(f"no answer within {BIND_TIMEOUT:.0f} s")
+            if done.returncode != 0:
+                said = done.stderr.decode(errors="replace").strip().splitlines()
+                raise OSError(said[-1] if said else f"the helper exited with {done.returncode}")
+        except OSError as err:
+            self.say(f"generated tree {path} made during the run stays behind the mount: {err}")
+            return
+        finally:
+            os.close(source)
+        self.rules.trees.append(path)
+        self.say(f"generated tree made during the run (written natively from now on, not seen by the breaker): "
+                 f"{path}")
+        self.events.emit("native", path, "allow", trees=[path], masked=0, during_run=True)
+
+
+def _open_beneath(root: Path, path: str) -> int:
+    """An O_PATH fd of directory *path* beneath *root*, no symlink followed on the way."""
+    root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return openat2(root_fd, path, os.O_PATH | os.O_DIRECTORY)
+    finally:
+        os.close(root_fd)
+
+
+def _sandbox_namespace(tree: ProcessTree) -> int:
+    """An fd of the mount namespace of the sandbox: the first of the agent's processes,
+    breadth-first, whose namespace is not the guard's (bubblewrap's own pid, the tree's root,
+    stays outside the namespaces it makes)."""
+    ours = os.stat("/proc/self/ns/mnt").st_ino
+    level = [tree.root]
+    while level:
+        below: list[psutil.Process] = []
+        for proc in level:
+            try:
+                fd = os.open(f"/proc/{proc.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue  # gone
+            # Still the process we meant (pid reuse), checked after the open that pins the namespace.
+            if os.fstat(fd).st_ino != ours and proc.is_running():
+                return fd
+            os.close(fd)
+            with contextlib.suppress(psutil.Error):
+                below += proc.children()
+        level = below
+    raise OSError("no process of the sandbox found to enter its mount namespace")

@@ -1,0 +1,291 @@
+"""Generated trees made during the run, bound natively into the running sandbox
+(sandbox.launch.inject): the rules, and real ``guard run --ci`` runs (bubblewrap, Landlock,
+the real FUSE mount)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from guardfs.events import EventLog
+from guardfs.manifest import parse_manifest
+from sandbox.launch import native
+from sandbox.launch.inject import MidRunBinder
+from sandbox.launch.native import MidRunRules
+from sandbox.launch.supervisor import ProcessTree
+
+from .helpers import run_events
+from .test_run import guard_run
+
+MIDRUN = """
+[task]
+id = "midrun"
+goal = "Fix the tax helper"
+[paths]
+allowed = ["src/checkout/", ".venv/"]
+forbidden = [".env*"]
+[limits]
+max_files = 1
+"""
+
+# Inside the sandbox: wait, with a bound, until a tree is a mount of its own.
+PRELUDE = """
+    import json, os, subprocess, time
+    def mounted(path):
+        return any(line.split()[4] == os.path.abspath(path) for line in open("/proc/self/mountinfo"))
+    def wait_mounted(path):
+        deadline = time.monotonic() + 20
+        while not mounted(path):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+    def fstype(path):
+        return subprocess.run(["stat", "-f", "-c", "%T", path], capture_output=True, text=True).stdout.strip()
+"""
+
+
+def workspace(tmp_path: Path) -> tuple[Path, Path]:
+    ws = tmp_path / "ws"
+    (ws / "src/checkout").mkdir(parents=True)
+    (ws / "src/checkout/tax.py").write_text("def total(x):\n    return x\n")
+    (ws / ".env").write_text("SECRET=1\n")
+    manifest = tmp_path / "midrun.toml"
+    manifest.write_text(MIDRUN)
+    return ws, manifest
+
+
+def ledger(run_dir: Path) -> dict[str, Any]:
+    book: dict[str, Any] = json.loads((run_dir / "ledger.json").read_text())
+    return book
+
+
+def test_rules_are_plan_natives_for_a_directory_made_during_the_run(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    ws, manifest = workspace(tmp_path)
+    rules = MidRunRules(parse_manifest(manifest.read_text()), ws, planned=["src/checkout/node_modules"])
+    # Literal names only, at most MAX_DEPTH deep, each once, none inside another (a planned one included).
+    assert rules.candidate(".venv")
+    assert not rules.candidate(".venv")
+    assert not rules.candidate(".venv/lib/node_modules")
+    assert not rules.candidate("src/checkout/node_modules/dep/node_modules")
+    assert not rules.candidate("src/checkout/pkg.egg-info")  # a glob names no one directory
+    assert not rules.candidate("src/checkout/a/b/build")  # 5 deep
+    assert rules.candidate("src/checkout/a/build")
+    for d in (".venv", "src/checkout/a/build", "node_modules", "src/checkout/dist"):
+        (ws / d).mkdir(parents=True)
+    assert rules.refusal(".venv") is None
+    assert rules.refusal("node_modules") == ""  # out of scope: the scratch layer's, never bound
+    (ws / "src/checkout/a/build/.env.local").write_text("SECRET=2\n")  # put there by the host
+    assert rules.refusal("src/checkout/a/build") == ("src/checkout/a/build: forbidden paths are already inside; "
+                                                     "it stays behind the mount")
+    (ws / "src/checkout/link").symlink_to("dist")
+    assert "src/checkout/link is a symlink" in str(rules.refusal("src/checkout/link/build"))
+    monkeypatch.setattr(native, "MAX_TREES", 1)
+    assert rules.refusal(".venv") == ".venv: more than 1 generated trees; it stays behind the mount"
+
+
+def test_an_unprivileged_guard_says_once_that_it_leaves_them_to_the_mount(tmp_path: Path) -> None:
+    ws, manifest = workspace(tmp_path)
+    said: list[str] = []
+    events = EventLog(tmp_path / "events.jsonl")
+    binder = MidRunBinder(MidRunRules(parse_manifest(manifest.read_text()), ws, []), str(ws), events, said.append,
+                          enabled=False)
+    binder.created(".venv", 1)
+    binder.created("src/checkout/node_modules", 2)
+    binder.created("src/checkout/lib", 3)
+    events.close()
+    assert said == ["generated tree .venv made during the run goes through the mount: binding it into the running "
+                    "sandbox needs a root guard (bound natively from the next run on)"]
+
+
+async def test_a_bind_that_fails_is_said_and_the_tree_stays_behind_the_mount(tmp_path: Path) -> None:
+    """A real failure, not a mock: the agent's process tree has no process in a namespace of
+    its own (a plain child of ours), so there is no sandbox to enter. The binder says so and
+    goes on; nothing is raised, nothing recorded as bound."""
+    ws, manifest = workspace(tmp_path)
+    (ws / ".venv").mkdir()
+    said: list[str] = []
+    events = EventLog(tmp_path / "events.jsonl")
+    rules = MidRunRules(parse_manifest(manifest.read_text()), ws, [])
+    binder = MidRunBinder(rules, str(ws), events, said.append)
+    child = await trio.lowlevel.open_process(["sleep", "60"])
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(binder.serve, ProcessTree(child.pid))
+            binder.created(".venv", (ws / ".venv").stat().st_ino)
+            with trio.fail_after(20):
+                while not said:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    finally:
+        child.kill()
+        await child.wait()
+        events.close()
+    assert said == ["generated tree .venv made during the run stays behind the mount: no process of the sandbox "
+                    "found to enter its mount namespace"]
+    assert rules.trees == []
+    assert (tmp_path / "events.jsonl").read_text() == ""
+
+
+HELD = PRELUDE + """
+    out = {}
+    os.mkdir(".venv")
+    with open(".venv/before.txt", "w") as f:
+        f.write("written through the mount\\n")
+    held = open(".venv/held.txt", "w")  # opened through the mount, written on both sides of the bind
+    held.write("one\\n")
+    held.flush()
+    out["bound"] = wait_mounted(".venv")
+    held.write("two\\n")
+    held.close()
+    with open(".venv/after.txt", "w") as f:  # Landlock lets the agent write in the new mount
+        f.write("written natively\\n")
+    os.makedirs(".venv/lib/pkg")
+    out["fs"] = fstype(".venv")
+    out["listing"] = sorted(os.listdir(".venv"))
+    out["held"] = open(".venv/held.txt").read()
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_a_tree_made_during_the_run_is_bound_and_nothing_written_before_is_lost(tmp_path: Path) -> None:
+    ws, manifest = workspace(tmp_path)
+    run = guard_run(manifest, ws, tmp_path / "run", HELD, "--ci")
+    assert run.returncode == 0, run.stderr
+    out = json.loads((tmp_path / "run/stdout.log").read_text())
+    assert out["bound"] is True, run.stderr
+    assert not out["fs"].startswith("fuse")
+    # One directory, the real one: what the mount wrote before the bind is there once, beside what came after.
+    assert out["listing"] == ["after.txt", "before.txt", "held.txt", "lib"]
+    assert out["held"] == "one\ntwo\n"
+    venv = ws / ".venv"
+    assert sorted(p.name for p in venv.iterdir()) == ["after.txt", "before.txt", "held.txt", "lib"]
+    assert (venv / "before.txt").read_text() == "written through the mount\n"
+    assert (venv / "held.txt").read_text() == "one\ntwo\n"
+    assert (venv / "after.txt").read_text() == "written natively\n"
+    assert (venv / "lib/pkg").is_dir()
+    assert "generated tree made during the run (written natively from now on, not seen by the breaker): .venv" \
+        in run.stderr
+    native_events = [e for e in run_events(tmp_path / "run") if e["op"] == "native"]
+    assert native_events == [{**native_events[0], "path": ".venv", "trees": [".venv"], "during_run": True}]
+    book = ledger(tmp_path / "run")
+    assert book["trips"] == []
+    assert book["files"]["distinct"] == 0
+
+
+OUT_OF_SCOPE = PRELUDE + """
+    out = {}
+    os.mkdir("node_modules")  # generated, out of scope: the run's scratch layer
+    with open("node_modules/x.js", "w") as f:
+        f.write("module.exports = 1\\n")
+    os.mkdir("src/checkout/node_modules")  # in scope: bound, after node_modules/ was judged (one queue)
+    out["in scope bound"] = wait_mounted("src/checkout/node_modules")
+    out["out of scope bound"] = mounted("node_modules")
+    out["out of scope fs"] = fstype("node_modules")
+    out["out of scope read"] = open("node_modules/x.js").read()
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_a_generated_tree_made_out_of_scope_stays_in_the_scratch_layer(tmp_path: Path) -> None:
+    ws, manifest = workspace(tmp_path)
+    run = guard_run(manifest, ws, tmp_path / "run", OUT_OF_SCOPE, "--ci")
+    assert run.returncode == 0, run.stderr
+    out = json.loads((tmp_path / "run/stdout.log").read_text())
+    assert out == {"in scope bound": True, "out of scope bound": False, "out of scope fs": out["out of scope fs"],
+                   "out of scope read": "module.exports = 1\n"}, run.stderr
+    assert out["out of scope fs"].startswith("fuse")
+    assert not (ws / "node_modules").exists()  # never in the real workspace
+    assert (ws / "src/checkout/node_modules").is_dir()
+    assert [e["path"] for e in run_events(tmp_path / "run") if e["op"] == "native"] == ["src/checkout/node_modules"]
+    assert ledger(tmp_path / "run")["trips"] == []
+
+
+def tiny_wheel(dist: Path) -> Path:
+    """A pure-Python wheel, written by hand: pip installs it with no index and no build."""
+    dist.mkdir(parents=True)
+    wheel = dist / "tiny-1.0-py3-none-any.whl"
+    files = {
+        "tiny/__init__.py": "GREETING = 'HELLO FROM TINY'\n",
+        "tiny-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: tiny\nVersion: 1.0\n",
+        "tiny-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(f"{name},,\n" for name in files) + "tiny-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+        z.writestr("tiny-1.0.dist-info/RECORD", record)
+    return wheel
+
+
+VENV = PRELUDE + """
+    out = {}
+    subprocess.run(["/usr/bin/python3", "-m", "venv", ".venv"], check=True)
+    out["bound"] = wait_mounted(".venv")
+    subprocess.run([".venv/bin/pip", "install", "-q", "--no-index", "src/checkout/dist/tiny-1.0-py3-none-any.whl"],
+                   check=True)
+    out["import"] = subprocess.run([".venv/bin/python", "-c", "import tiny; print(tiny.GREETING)"],
+                                   capture_output=True, text=True, check=True).stdout.strip()
+    out["fs"] = fstype(".venv")
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.root
+@pytest.mark.mount
+@pytest.mark.slow
+def test_a_venv_and_a_pip_install_made_during_the_run_land_natively(tmp_path: Path) -> None:
+    """`python -m venv .venv` makes the tree through the mount (its first files may too), the
+    bind lands, `pip install` writes natively: the tool's status, no trip, nothing counted
+    under max_files = 1, the whole venv on the host."""
+    ws, manifest = workspace(tmp_path)
+    tiny_wheel(ws / "src/checkout/dist")
+    run = guard_run(manifest, ws, tmp_path / "run", VENV, "--ci", timeout=300)
+    assert run.returncode == 0, run.stderr + (tmp_path / "run/stderr.log").read_text()
+    out = json.loads((tmp_path / "run/stdout.log").read_text())
+    assert out["bound"] is True, run.stderr
+    assert out["import"] == "HELLO FROM TINY"
+    assert not out["fs"].startswith("fuse")
+    book = ledger(tmp_path / "run")
+    assert book["trips"] == []
+    assert book["files"]["distinct"] == 0
+    venv = ws / ".venv"
+    assert (venv / "pyvenv.cfg").is_file() and (venv / "bin/python").exists()
+    assert list(venv.glob("lib/python3*/site-packages/tiny/__init__.py"))
+    assert list(venv.glob("lib/python3*/site-packages/pip/__init__.py"))  # ensurepip's, before or after the bind
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_a_tree_made_during_the_run_of_an_agent_of_another_user(tmp_path: Path) -> None:
+    """--user: bubblewrap runs unprivileged, in a user namespace of its own; the root guard
+    still enters its mount namespace and binds the tree, which the agent writes natively."""
+    ws, manifest = workspace(tmp_path)
+    subprocess.run(["chown", "-R", "65534:65534", str(ws)], check=True)
+    # A bounded wait, inside the sandbox, for the bind to land (2,000 polls of 10 ms at most).
+    script = ('mkdir .venv && for i in $(seq 2000); do grep -q " $PWD/.venv " /proc/self/mountinfo && break; '
+              'sleep 0.01; done; id -u; stat -f -c %T .venv; echo new > .venv/new.txt && echo wrote')
+    run = subprocess.run(
+        [sys.executable, "-m", "sandbox", "run", "--ci", "--user", "nobody", "--manifest", str(manifest),
+         "--run-dir", str(tmp_path / "run"), "--", "sh", "-c", script],
+        cwd=ws, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )
+    assert run.returncode == 0, run.stderr
+    uid, fs, wrote = (tmp_path / "run/stdout.log").read_text().split()
+    assert (uid, wrote) == ("65534", "wrote")
+    assert not fs.startswith("fuse"), run.stderr
+    assert (ws / ".venv/new.txt").read_text() == "new\n"
+    assert os.stat(ws / ".venv/new.txt").st_uid == 65534
