@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import stat
 from dataclasses import dataclass, field
@@ -37,9 +38,10 @@ from pathlib import Path
 import pathspec
 
 from guardfs.backing import Backing
+from guardfs.decision import Verdict
 from guardfs.links import forbidden_links
 from guardfs.manifest import Manifest
-from guardfs.policy import GUARD_DIR, PathPolicy, Scope
+from guardfs.policy import GENERATED_RULE, GUARD_DIR, PathPolicy, Scope
 from sandbox.launch.lanes import StagedTrees
 
 __all__ = ["MAX_MASKS", "MAX_SCAN", "MAX_TREES", "MidRunRules", "NativeStage", "NativeTrees", "bind_writable",
@@ -215,7 +217,17 @@ class MidRunRules:
     No forbidden path can be inside a directory the mount has just made (the mount refuses
     to create one, and refuses a hard link of a forbidden file by inode); one the host put
     there before the bind keeps the tree behind the mount. As at the start, a forbidden name
-    *created* in the tree once it is bound is not judged (see the module's docstring)."""
+    *created* in the tree once it is bound is not judged (see the module's docstring).
+
+    Nothing reaches a tree through the mount but what is made in it: from the moment it is
+    a candidate (:meth:`pin`), a rename or hard link through the mount across its edge, or of
+    it or a directory above it, is refused (:meth:`crossing`). Otherwise a directory holding
+    another name of a forbidden file (judged by path when it moves) would be read natively,
+    and a counted file linked in, or a directory moved out under a process standing in it,
+    written natively: uncounted, unseen, not rolled back. The mount is still reachable by a
+    descriptor of the tree opened before the bind; natively, the kernel refuses these moves
+    itself (EXDEV, EBUSY). At most MAX_TREES candidates are judged during a run (each may
+    cost a helper process): the agent cannot make the guard fork without end."""
 
     def __init__(self, manifest: Manifest, workspace: Path, planned: list[str]) -> None:
         self.root = workspace.resolve()
@@ -223,17 +235,50 @@ class MidRunRules:
         self.anchored, self.names = _literal(list(getattr(manifest.paths, "generated", [])))
         self.trees = list(planned)  # bound, at the start or since
         self._seen = set(planned)  # every candidate queued: judged once; none looked for below one
+        self._limit = len(self._seen) + MAX_TREES  # candidates judged at most, the start's included
+        self.pinned = set(planned)  # bound or about to be: nothing moves across their edges
         self._planner: _Planner | None = None  # built on the first candidate, off the FUSE loop's way
+
+    @property
+    def full(self) -> bool:
+        """Whether no more candidates are judged in this run (MAX_TREES were)."""
+        return len(self._seen) >= self._limit
 
     def candidate(self, path: str) -> bool:
         """Whether *path* names a native tree not seen before (cheap: called in the FUSE loop)."""
         name = path.rpartition("/")[2]
         if path not in self.anchored and (name not in self.names or path.count("/") >= MAX_DEPTH):
             return False
-        if path in self._seen or any(path.startswith(seen + "/") for seen in self._seen):
+        if path in self._seen or any(path.startswith(seen + "/") for seen in self._seen) or self.full:
             return False
         self._seen.add(path)
         return True
+
+    def pin(self, path: str) -> None:
+        """*path* may be bound from now on: refuse moves across its edge (:meth:`crossing`)."""
+        self.pinned.add(path)
+
+    def unpin(self, path: str) -> None:
+        """*path* will not be bound (judged not a native tree, or gone, before any bind)."""
+        self.pinned.discard(path)
+
+    def crossing(self, src: str, dst: str) -> Verdict | None:
+        """The refusal of a rename or hard link through the mount from *src* to *dst* that
+        would move something across a pinned tree's edge (EXDEV, as natively), or move the
+        tree or a directory above it (EBUSY: a mount point and the path to it stay put);
+        None when it touches no pinned tree. Cheap: called in the FUSE loop."""
+        for tree in self.pinned:
+            for end in (src, dst):
+                if end == tree or tree.startswith(end + "/"):
+                    return Verdict(False, GENERATED_RULE, tree, errno.EBUSY,
+                                   f"{src} -> {dst}: {end} is or holds {tree}, a generated tree bound natively "
+                                   "in the sandbox; it stays where it is")
+            inside = tree + "/"
+            if src.startswith(inside) != dst.startswith(inside):
+                return Verdict(False, GENERATED_RULE, tree, errno.EXDEV,
+                               f"{src} -> {dst}: {tree} is a generated tree bound natively in the sandbox; "
+                               "moving or linking across its edge is refused (EXDEV): copy instead")
+        return None
 
     def refusal(self, path: str) -> str | None:
         """Why the directory *path*, now in the real workspace, may not be bound ('' when it

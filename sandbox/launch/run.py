@@ -147,6 +147,7 @@ def run(opts: RunOptions) -> int:
         _say(notice)
     if outcome.binder is not None:
         session.fs.on_generated_dir = outcome.binder.created
+        session.fs.native_crossing = outcome.binder.rules.crossing
     breaker, accounting = session.breaker, session.accounting
     try:
         # No umask(0): the agent keeps the user's umask; the mount gives each node it creates

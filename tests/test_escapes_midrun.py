@@ -1,0 +1,164 @@
+"""Hostile agents against generated trees bound natively during the run (sandbox.launch.inject).
+
+Once a tree the agent made is bound, the sandbox reaches the same real directory two ways:
+natively (the bind), and through the mount, by a descriptor of the directory opened before the
+bind. What the mount moves into that directory is then read and written natively, unseen.
+Each attack runs from inside a real ``guard run --ci``; the host is checked afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .helpers import FIX_TAX, reports, run_events
+
+pytestmark = [pytest.mark.root, pytest.mark.mount]
+
+SECRET = "SECRET=hunter2\n"
+PRELUDE = r'''
+import errno, json, os, sys, time
+def attempt(name, f):
+    try:
+        got = f()
+    except OSError as err:
+        got = errno.errorcode.get(err.errno, str(err.errno))
+    print(json.dumps({name: got}), flush=True)
+def mounted(path):
+    return any(line.split()[4] == os.path.abspath(path) for line in open("/proc/self/mountinfo"))
+def wait_mounted(path):
+    deadline = time.monotonic() + 20
+    while not mounted(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+'''
+
+
+def _workspace(tmp_path: Path) -> Path:
+    ws = tmp_path / "ws"
+    (ws / "src/checkout").mkdir(parents=True)
+    (ws / "src/checkout/tax.py").write_text("def total(x):\n    return x\n")
+    (ws / ".env").write_text(SECRET)
+    return ws
+
+
+def _guard_run(tmp_path: Path, ws: Path, user: str | None, script: str, manifest: str,
+               ) -> tuple[dict[str, Any], list[dict[str, Any]], subprocess.CompletedProcess[str]]:
+    """``guard run --ci`` the hostile *script* in *ws*: what it saw, the events, the process."""
+    python3 = shutil.which("python3", path="/usr/bin:/bin")
+    assert python3 is not None
+    flags: list[str] = []
+    if user is not None:
+        subprocess.run(["chown", "-R", "65534:65534", str(ws)], check=True)
+        flags = ["--user", user]
+    (tmp_path / "manifest.toml").write_text(manifest)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sandbox", "run", "--ci", *flags, "--manifest", str(tmp_path / "manifest.toml"),
+         "--run-dir", str(run_dir), "--", python3, "-c", PRELUDE + textwrap.dedent(script)],
+        cwd=ws, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
+    )
+    seen: dict[str, Any] = {}
+    for report in reports(run_dir / "stdout.log"):
+        seen.update(report)
+    return seen, run_events(run_dir), proc
+
+
+# ----- a forbidden file carried into the tree -----------------------------------------------------
+
+CARRY = r'''
+os.mkdir("src/checkout/build")
+held = os.open("src/checkout/build", os.O_RDONLY | os.O_DIRECTORY)  # through the mount, kept across the bind
+# Before the bind: the binder judges the tree's contents, then binds it, a moment later.
+attempt("carry before", lambda: os.rename("src/checkout/early", "src/checkout/build/early"))
+attempt("bound", lambda: wait_mounted("src/checkout/build"))
+# After it: natively the move crosses mounts (EXDEV); through the held descriptor it reaches the mount.
+attempt("carry natively", lambda: os.rename("src/checkout/late", "src/checkout/build/late"))
+attempt("carry after", lambda: os.rename("src/checkout/late", "late", dst_dir_fd=held))
+attempt("read early", lambda: open("src/checkout/build/early/env_hl").read())
+attempt("read late", lambda: open("src/checkout/build/late/env_hl").read())
+'''
+
+
+@pytest.mark.parametrize("user", [None, "nobody"])
+def test_a_directory_holding_a_hard_link_of_a_forbidden_file_is_not_carried_into_a_bound_tree(
+        tmp_path: Path, user: str | None) -> None:
+    """Hard links of ``.env`` made before the run, in two in-scope directories: the mount
+    refuses each by inode, but a rename of its directory is judged by path. Moved into a
+    generated tree made during the run, before its bind or through a descriptor held across
+    it, the link would be read natively."""
+    ws = _workspace(tmp_path)
+    for name in ("early", "late"):
+        (ws / "src/checkout" / name).mkdir()
+        os.link(ws / ".env", ws / "src/checkout" / name / "env_hl")
+    seen, events, proc = _guard_run(tmp_path, ws, user, CARRY, FIX_TAX)
+    assert seen.get("bound") is True, (seen, proc.stderr[-2000:])
+    assert seen["carry natively"] == "EXDEV", seen
+    assert seen["carry before"] == seen["carry after"] == "EXDEV", seen
+    assert seen["read early"] == seen["read late"] == "ENOENT", seen
+    assert "hunter2" not in (tmp_path / "run/stdout.log").read_text()
+    assert sorted(os.listdir(ws / "src/checkout/build")) == []
+    refused = [e for e in events if e["op"] == "rename" and e["decision"] == "deny"]
+    assert [e["errno"] for e in refused] == ["EXDEV", "EXDEV"], refused
+    assert "src/checkout/build" in refused[0]["reason"], refused
+
+
+# ----- counted files written natively -------------------------------------------------------------
+
+COUNTED = FIX_TAX.replace('allowed = ["src/checkout/"]', 'allowed = ["src/"]') + """\
+generated = ["src/checkout/out/"]
+[limits]
+max_files = 1
+"""
+
+NATIVE_WRITES = r'''
+root = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
+os.mkdir("src/checkout/out")
+held = os.open("src/checkout/out", os.O_RDONLY | os.O_DIRECTORY)
+attempt("bound", lambda: wait_mounted("src/checkout/out"))
+# A counted file linked into the tree, then rewritten natively through the new name.
+attempt("link in", lambda: os.link("src/checkout/tax.py", "tax.py", dst_dir_fd=held))
+attempt("rewrite", lambda: open("src/checkout/out/tax.py", "w").write("PWNED = 1\n"))
+# A file made natively, linked out into counted territory.
+open("src/checkout/out/made.py", "w").write("NATIVE = 1\n")
+attempt("link out", lambda: os.link("made.py", "src/checkout/made.py", src_dir_fd=held))
+# A directory of the tree moved out under a process standing in it natively.
+os.mkdir("src/checkout/out/sub")
+os.chdir("src/checkout/out/sub")
+attempt("move out", lambda: os.rename("sub", "src/checkout/sub", src_dir_fd=held, dst_dir_fd=root))
+attempt("write moved", lambda: open("a.py", "w").write("A = 1\n"))
+os.chdir(root)
+# The tree's parent renamed: the anchored pattern no longer names it; the bind goes along.
+attempt("move parent", lambda: os.rename("src/checkout", "src/moved"))
+attempt("write under moved", lambda: open("src/moved/out/b.py", "w").write("B = 1\n"))
+'''
+
+
+def test_counted_territory_is_never_written_natively_through_a_bound_tree(tmp_path: Path) -> None:
+    """The mount, through a descriptor held across the bind, links a counted file into the tree
+    or one of the tree's out of it, moves a directory of the tree out, or renames the tree's
+    parent: each would let native writes (uncounted, unseen, not rolled back) land in counted
+    territory, past max_files = 1."""
+    ws = _workspace(tmp_path)
+    seen, events, proc = _guard_run(tmp_path, ws, None, NATIVE_WRITES, COUNTED)
+    assert seen.get("bound") is True, (seen, proc.stderr[-2000:])
+    assert seen["link in"] == seen["link out"] == seen["move out"] == "EXDEV", seen
+    assert seen["move parent"] == "EBUSY", seen
+    assert seen["rewrite"] == 10 and seen["write moved"] == 6, seen  # inside the tree: the agent's own
+    assert seen["write under moved"] == "ENOENT", seen
+    assert (ws / "src/checkout/tax.py").read_text() == "def total(x):\n    return x\n"
+    assert sorted(p.name for p in (ws / "src/checkout").iterdir()) == ["out", "tax.py"]
+    assert sorted(os.listdir(ws / "src/checkout/out")) == ["made.py", "sub", "tax.py"]
+    assert (ws / "src/checkout/out/sub/a.py").read_text() == "A = 1\n"
+    assert not (ws / "src/moved").exists()
+    assert [e["errno"] for e in events if e["decision"] == "deny"] == ["EXDEV", "EXDEV", "EXDEV", "EBUSY"], events
+    assert [e for e in events if e["op"] == "trip"] == []
