@@ -162,3 +162,64 @@ def test_counted_territory_is_never_written_natively_through_a_bound_tree(tmp_pa
     assert not (ws / "src/moved").exists()
     assert [e["errno"] for e in events if e["decision"] == "deny"] == ["EXDEV", "EXDEV", "EXDEV", "EBUSY"], events
     assert [e for e in events if e["op"] == "trip"] == []
+
+
+# ----- resource exhaustion through the guard ------------------------------------------------------
+
+MANY = r'''
+n = 70
+for i in range(n):
+    os.makedirs(f"src/checkout/t{i}/build")
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    bound = sum("/src/checkout/t" in line.split()[4] for line in open("/proc/self/mountinfo"))
+    if bound >= 64:
+        break
+    time.sleep(0.05)
+attempt("bound", lambda: bound)
+for i in range(n):  # removed and made again: each is a mkdir of a candidate's name
+    os.rmdir(f"src/checkout/t{i}/build") if not mounted(f"src/checkout/t{i}/build") else None
+    os.makedirs(f"src/checkout/t{i}/build", exist_ok=True)
+'''
+
+
+def test_the_agent_cannot_make_the_guard_judge_and_fork_without_end(tmp_path: Path) -> None:
+    """Each generated directory made during the run may cost the guard a helper process and a
+    line: seventy trees, then the unbound ones removed and made again. At most MAX_TREES (64)
+    are ever judged; the rest is said once."""
+    ws = _workspace(tmp_path)
+    seen, events, proc = _guard_run(tmp_path, ws, None, MANY, FIX_TAX)
+    assert seen.get("bound") == 64, (seen, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if "generated tree" in line]
+    assert len([line for line in lines if "written natively from now on" in line]) == 64, lines
+    others = [line for line in lines if "written natively from now on" not in line]
+    assert len(others) == 1 and "64 were judged for a native bind in this run" in others[0], lines
+    assert len([e for e in events if e["op"] == "native"]) == 64
+
+
+# ----- programs the host may run ------------------------------------------------------------------
+
+SETID = r'''
+import shutil
+os.mkdir("src/checkout/build")
+attempt("bound", lambda: wait_mounted("src/checkout/build"))
+for tree in ("src/checkout/build", "src/checkout/.venv"):  # made during the run; there at the start
+    shutil.copy("/usr/bin/id", f"{tree}/id")
+    attempt(f"{tree} setuid", lambda: os.chmod(f"{tree}/id", 0o6755))
+    os.mkdir(f"{tree}/shared")
+    attempt(f"{tree} setgid dir", lambda: os.chmod(f"{tree}/shared", 0o2755))
+'''
+
+
+def test_a_set_user_id_program_left_in_a_native_tree_is_not_left_on_the_host(tmp_path: Path) -> None:
+    """A root agent owns what it writes natively and may chmod it set-user-ID (no capability
+    needed): a root program the next local user would run. The mount never lets that mode
+    through; the native trees are swept when the agent has ended."""
+    ws = _workspace(tmp_path)
+    (ws / "src/checkout/.venv").mkdir()
+    seen, events, proc = _guard_run(tmp_path, ws, None, SETID, FIX_TAX)
+    assert seen.get("bound") is True and seen["src/checkout/.venv setuid"] is None, (seen, proc.stderr[-2000:])
+    for tree in ("src/checkout/build", "src/checkout/.venv"):
+        assert oct((ws / tree / "id").stat().st_mode & 0o7777) == oct(0o755), tree
+        assert (ws / tree / "shared").stat().st_mode & 0o7777 == 0o2755  # group inheritance, as the mount allows
+    assert "set-user-ID" in proc.stderr and "src/checkout/build/id" in proc.stderr, proc.stderr[-2000:]

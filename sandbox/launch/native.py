@@ -45,7 +45,7 @@ from guardfs.policy import GENERATED_RULE, GUARD_DIR, PathPolicy, Scope
 from sandbox.launch.lanes import StagedTrees
 
 __all__ = ["MAX_MASKS", "MAX_SCAN", "MAX_TREES", "MidRunRules", "NativeStage", "NativeTrees", "bind_writable",
-           "plan_native"]
+           "plan_native", "strip_set_id"]
 
 #: More forbidden paths than this inside one tree and it stays behind the mount (each mask is a mount).
 MAX_MASKS = 500
@@ -358,6 +358,42 @@ def _linked(path: str, inodes: set[int] | frozenset[int]) -> bool:
     except OSError:
         return False
     return st.st_nlink > 1 and st.st_ino in inodes
+
+
+def strip_set_id(root: Path, trees: list[str]) -> list[str]:
+    """Remove set-user-ID and set-group-ID from the regular files of the native *trees* of
+    the workspace *root*, once the agent has ended; the paths changed.
+
+    The mount never lets a chmod set them (guardfs.fs), but natively a root agent owns what
+    it writes and may set them with no capability: a root program left for the next local
+    user to run. Directories keep set-group-ID (group inheritance), as through the mount.
+    Nothing of the agent runs any more, so nothing races this walk; symlinks are not followed."""
+    stripped: list[str] = []
+    for tree in trees:
+        if _symlinked_parent(root, tree) is not None:
+            continue
+        for dirpath, _, filenames in os.walk(root / tree):
+            for name in filenames:
+                path = os.path.join(dirpath, name)
+                try:
+                    if os.lstat(path).st_mode & (stat.S_ISUID | stat.S_ISGID) and _strip(path):
+                        stripped.append(os.path.relpath(path, root))
+                except OSError:
+                    continue  # gone, or not a file we may open: nothing to run
+    return stripped
+
+
+def _strip(path: str) -> bool:
+    """Clear set-user-ID and set-group-ID of regular file *path* (never through a symlink)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            return False
+        os.fchmod(fd, stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID))
+        return True
+    finally:
+        os.close(fd)
 
 
 def bind_writable(source: str, target: str) -> None:
