@@ -223,3 +223,5 @@ def test_a_set_user_id_program_left_in_a_native_tree_is_not_left_on_the_host(tmp
         assert oct((ws / tree / "id").stat().st_mode & 0o7777) == oct(0o755), tree
         assert (ws / tree / "shared").stat().st_mode & 0o7777 == 0o2755  # group inheritance, as the mount allows
     assert "set-user-ID" in proc.stderr and "src/checkout/build/id" in proc.stderr, proc.stderr[-2000:]
+    assert sorted(e["path"] for e in events if e["op"] == "chmod") == ["src/checkout/.venv/id",
+                                                                        "src/checkout/build/id"]
