@@ -225,3 +225,29 @@ def test_a_set_user_id_program_left_in_a_native_tree_is_not_left_on_the_host(tmp
     assert "set-user-ID" in proc.stderr and "src/checkout/build/id" in proc.stderr, proc.stderr[-2000:]
     assert sorted(e["path"] for e in events if e["op"] == "chmod") == ["src/checkout/.venv/id",
                                                                         "src/checkout/build/id"]
+
+
+# ----- the namespace the bind lands in ------------------------------------------------------------
+
+NESTED = r'''
+import subprocess
+# A user and mount namespace of the agent's own (no capability needed), where it makes the tree;
+# it looks at its own mounts once the sandbox's has the bind.
+inner = subprocess.Popen(["unshare", "-U", "-m", "--propagation", "unchanged", "sh", "-c",
+                          'readlink /proc/self/ns/mnt; mkdir src/checkout/build; read go; '
+                          'grep -c " $PWD/src/checkout/build " /proc/self/mountinfo'],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+attempt("bound outside", lambda: wait_mounted("src/checkout/build"))
+attempt("inner", lambda: inner.communicate("go\n")[0].split())
+attempt("outer ns", lambda: os.readlink("/proc/self/ns/mnt"))
+'''
+
+
+def test_a_tree_made_from_a_namespace_of_the_agents_own_is_bound_in_the_sandboxs(tmp_path: Path) -> None:
+    """The helper enters the first namespace of the agent's process tree that is not the
+    guard's, breadth-first: the sandbox's, whatever namespaces the agent makes below it."""
+    ws = _workspace(tmp_path)
+    seen, _, proc = _guard_run(tmp_path, ws, None, NESTED, FIX_TAX)
+    inner_ns, inner_mounts = seen["inner"]
+    assert inner_ns != seen["outer ns"] and inner_mounts == "0", (seen, proc.stderr[-2000:])
+    assert seen["bound outside"] is True, seen
