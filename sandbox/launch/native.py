@@ -17,7 +17,11 @@ accounting, no rollback, which generated paths do not get anyway), and a forbidd
 *created* there during the run (by the agent, or by the host) is not judged. A mount point
 cannot be removed, so ``rm -rf .venv`` empties the tree and then fails on the directory
 itself (EBUSY); ``python -m venv --clear .venv`` empties it in place and works (but for a
-masked path, which stays).
+masked path, which stays). The mount refuses what the kernel would refuse natively: moving or
+linking anything across a tree's edge (EXDEV: ``mv`` copies), moving the tree or a directory
+above it (EBUSY) (:meth:`MidRunRules.crossing`). Set-user-ID and set-group-ID, which the mount
+never lets a chmod set, are taken off the trees' files when the agent has ended
+(:func:`strip_set_id`).
 
 A generated directory that does not exist at the start is created through the mount; a root
 guard then binds it into the running sandbox, by the same rules (:class:`MidRunRules`,
