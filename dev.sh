@@ -95,17 +95,17 @@ ci() {
     "$VENV/bin/mypy" --strict
     # The suite mostly waits (real agent CLIs with quiet gaps of minutes, an image build, guard
     # runs of seconds): it runs on twice as many pytest-xdist workers as there are cores.
-    # --dist loadgroup keeps the tests that share a module-scoped fixture, or must not overlap,
-    # on one worker (tests/conftest.py).
+    # A module's tests run on one worker (its module-scoped fixtures set up once), the modules
+    # with slow tests first (tests/conftest.py orders them).
     local workers=${GUARDFS_TEST_WORKERS:-$(($(nproc) * 2))}
     # The pure core runs where FUSE cannot: prove it with /dev/fuse hidden (bubblewrap,
     # a fresh /dev without it), so a test that mounts without its marker fails here.
     say "pytest -m 'not mount' with no /dev/fuse"
     bwrap --bind / / --dev /dev --proc /proc --unshare-pid --die-with-parent \
-        "$VENV/bin/pytest" -q -p no:cacheprovider -m "not mount" -n "$workers" --dist loadgroup \
+        "$VENV/bin/pytest" -q -p no:cacheprovider -m "not mount" -n "$workers" --dist loadfile --no-loadscope-reorder \
         --basetemp="$(mktemp -d)"
     say "pytest, the whole suite, on $workers workers"
-    "$VENV/bin/pytest" -n "$workers" --dist loadgroup || status=$?
+    "$VENV/bin/pytest" -n "$workers" --dist loadfile --no-loadscope-reorder || status=$?
     wait "$fetch" || true
     trap - EXIT
     [ -s "$fetch_log" ] && say "fetching the agent CLIs said: $(cat "$fetch_log")"

@@ -3,6 +3,7 @@ mount and no process is left behind; how the suite is ordered and split under py
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -36,6 +37,16 @@ def installation() -> Iterator[str]:
         yield _copy_installation(lib)
     finally:
         shutil.rmtree(lib)
+
+
+@pytest.fixture
+def dev_fuse_mode_to_myself() -> Iterator[None]:
+    """For a test that opens /dev/fuse to other users and checks its mode is restored: no other
+    such test on this machine meanwhile (pytest-xdist workers, another suite), or one would take
+    the other's opened mode for the original."""
+    with open(Path(tempfile.gettempdir()) / "guardfs-tests-dev-fuse-mode.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -91,28 +102,16 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip, with the reason, `mount` tests where FUSE cannot be used and `root` tests when not root.
 
-    For pytest-xdist (``--dist loadgroup``, as ./dev.sh test runs the suite): a test using a
-    module-scoped fixture runs on its module's worker, so that the fixture (a real guarded run,
-    a wheel build, the cohort benchmark) is set up once, not once per worker; and the `slow`
-    tests, mostly waiting (quiet gaps of real agent sessions, image builds), are handed out
-    first, so that they overlap the rest instead of ending the run alone."""
+    Under pytest-xdist (``--dist loadfile --no-loadscope-reorder``, as ./dev.sh test runs the
+    suite: a module's tests on one worker, so a module-scoped fixture such as a real guarded run
+    or the wheel build is set up once), the modules holding `slow` tests, which mostly wait
+    (quiet gaps of real agent sessions, the image build), are handed out first, so that they
+    overlap the rest instead of ending the run alone."""
     from .machine import skip_what_this_machine_cannot_run
 
     skip_what_this_machine_cannot_run(items)
-    if not _is_xdist_worker(config):
-        return
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None and _uses_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: otherwise as collected
-
-
-def _uses_module_fixture(item: pytest.Item) -> bool:
-    info = getattr(item, "_fixtureinfo", None)  # pytest's own record of the test's fixtures
-    if info is None:
-        return False
-    return any(d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs)
+    if _is_xdist_worker(config):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: otherwise as collected

@@ -465,7 +465,7 @@ def _fuse_open_to_others() -> Iterator[None]:
         os.chmod("/dev/fuse", mode)
 
 
-@pytest.mark.xdist_group("dev-fuse-mode")  # chmods /dev/fuse: never two at once (pytest-xdist)
+@pytest.mark.usefixtures("dev_fuse_mode_to_myself")  # it chmods /dev/fuse (see conftest.py)
 @pytest.mark.root
 @pytest.mark.mount
 def test_unprivileged_guard_run() -> None:
