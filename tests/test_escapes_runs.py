@@ -388,7 +388,11 @@ def test_a_guard_killed_with_sigkill_leaves_no_stage_behind_the_next_start(tmp_p
             killed.wait()
     wait_for(lambda: not os.path.exists(f"/proc/{killed.pid}"), "the killed guard to be reaped")
     assert stages[0].is_dir() and list(stages[0].iterdir()) == []  # left behind, empty on the host
-    with _run_b(tmp_path, Path(tempfile.mkdtemp(prefix="guardfs-escape-", dir="/var/tmp"))) as (live, run_b):
+    shared = Path(tempfile.mkdtemp(prefix="guardfs-escape-", dir="/var/tmp"))
+    # Traversable, as in the tests above: while B lives, every other run's sandbox covers its run
+    # directory, and an agent user's bubblewrap (another pytest-xdist worker's run) must reach it.
+    shared.chmod(0o711)
+    with _run_b(tmp_path, shared) as (live, run_b):
         live_stage = list(Path("/tmp").glob(f"guardfs-stage-*.{live.pid}-*"))
         assert not stages[0].exists()  # removed by this guard as it started
         ws2, manifest2 = workspace(tmp_path / "n")
