@@ -363,6 +363,27 @@ def test_a_run_directory_made_after_a_sandbox_started_is_closed_to_it(tmp_path: 
 
 @pytest.mark.root
 @pytest.mark.mount
+def test_a_live_run_another_user_cannot_reach_does_not_stop_that_users_run(tmp_path: Path) -> None:
+    """Every sandbox covers the other live runs' directories; one under a directory the agent's
+    user may not enter (0700) needs no cover from it, and its bubblewrap could not place one
+    there: `guard run --user nobody` must start while such a run lives (it failed with
+    "bwrap: Can't mkdir ...: Permission denied")."""
+    closed = Path(tempfile.mkdtemp(prefix="guardfs-closed-", dir="/var/tmp"))
+    try:
+        closed.chmod(0o700)
+        with _run_b(tmp_path, closed) as (live, run_b):
+            ws, manifest = _workspace(tmp_path / "n", "nobody")
+            result, found = _run(manifest, ws, tmp_path / "run-n", {"lists": [str(run_b)]}, "nobody")
+            assert result.returncode == 0, result.stderr
+            assert found[f"list:{run_b}"][0] == "EACCES", found  # out of reach all the same
+            assert live.poll() is None
+            _stop(live, run_b)
+    finally:
+        shutil.rmtree(closed, ignore_errors=True)
+
+
+@pytest.mark.root
+@pytest.mark.mount
 def test_a_guard_killed_with_sigkill_leaves_no_stage_behind_the_next_start(tmp_path: Path) -> None:
     """A guard killed with SIGKILL cannot remove its (empty) staging directory; the next
     guard that starts removes it, since its guard is gone, and keeps a live guard's."""
