@@ -139,11 +139,11 @@ def init_mount(fs: GuardFS, mountpoint: str, options: set[str]) -> Callable[[], 
 
 #: How many requests the loop serves at once. pyfuse3's default (up to 99 worker tasks) keeps
 #: two tasks that hand its read lock to each other on every request, a trio scheduling round
-#: trip that cost a quarter to a third of a metadata walk through the mount (grep -r, find,
-#: git status: bench/fs_bench.py --workers). guardfs's handlers do not wait but for a large
-#: file's pre-image copy, fsync and a git config check, all in worker threads, which keep the
-#: trio loop (the breaker daemon, the agent's pumps) going; other FUSE requests wait for them.
-#: None of them waits on the mount, so one worker cannot deadlock.
+#: trip that cost a quarter to a third of a metadata walk through the mount (git status,
+#: grep -r and find in bench/workday.py's repository, side by side). guardfs's handlers
+#: wait only for a large file's pre-image copy, fsync and a git config check, each in a
+#: worker thread that keeps the trio loop (the breaker daemon, the agent's pumps) going while
+#: other FUSE requests wait; none of them waits on the mount, so one worker cannot deadlock.
 FUSE_WORKERS = 1
 
 
