@@ -336,8 +336,7 @@ class GuardFS(pyfuse3.Operations):
 
     async def _pre(self, *paths: str) -> None:
         """Keep the pre-image of each path before its first change since the checkpoint
-        (a large file's bytes are copied in a worker thread: the trio loop goes on, FUSE
-        requests wait, see guardfs.mount.FUSE_WORKERS)."""
+        (a file's bytes are copied off the loop; this request waits, others go on)."""
         if self.preimages is not None:
             await self.preimages.keep(*paths)
 
@@ -808,7 +807,7 @@ class GuardFS(pyfuse3.Operations):
 
     @_fuse_errors
     async def fsync(self, fh: pyfuse3.FileHandleT, datasync: bool) -> None:
-        """fsync in a worker thread, so that the trio loop (the breaker daemon) goes on."""
+        """fsync in a worker thread so other requests go on."""
         await trio.to_thread.run_sync(os.fdatasync if datasync else os.fsync, fh)
 
     # ----- directories ---------------------------------------------------------------

@@ -20,10 +20,7 @@ import trio
 from guardfs.errors import MountError
 from guardfs.fs import GuardFS
 
-__all__ = [
-    "FUSE_WORKERS", "check_fuse_available", "fuse_loop", "fusermount", "init_mount", "keepalive", "mount_options",
-    "serve",
-]
+__all__ = ["check_fuse_available", "fusermount", "init_mount", "keepalive", "mount_options", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -137,21 +134,6 @@ def init_mount(fs: GuardFS, mountpoint: str, options: set[str]) -> Callable[[], 
     return unmount
 
 
-#: How many requests the loop serves at once. pyfuse3's default (up to 99 worker tasks) keeps
-#: two tasks that hand its read lock to each other on every request, a trio scheduling round
-#: trip that cost a quarter to a third of a metadata walk through the mount (git status,
-#: grep -r and find in bench/workday.py's repository, side by side). guardfs's handlers
-#: wait only for a large file's pre-image copy, fsync and a git config check, each in a
-#: worker thread that keeps the trio loop (the breaker daemon, the agent's pumps) going while
-#: other FUSE requests wait; none of them waits on the mount, so one worker cannot deadlock.
-FUSE_WORKERS = 1
-
-
-async def fuse_loop() -> None:
-    """Serve FUSE requests until the session ends (pyfuse3.main with :data:`FUSE_WORKERS`)."""
-    await pyfuse3.main(max_tasks=FUSE_WORKERS)
-
-
 async def _serve(
     fs: GuardFS,
     handle_signals: bool,
@@ -165,7 +147,7 @@ async def _serve(
             await nursery.start(companion)  # e.g. the daemon: its sockets listen before we mount
         if on_ready is not None:
             on_ready()
-        await fuse_loop()
+        await pyfuse3.main()
         nursery.cancel_scope.cancel()  # unmounted from outside
 
 

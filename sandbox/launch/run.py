@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+import pyfuse3
 import trio
 
 from guardfs.accounting import WriteAccounting
 from guardfs.errors import UsageError
 from guardfs.events import EventLog, printable
 from guardfs.manifest import Manifest
-from guardfs.mount import check_fuse_available, fuse_loop, init_mount, keepalive, mount_options
+from guardfs.mount import check_fuse_available, init_mount, keepalive, mount_options
 from sandbox.agents import Event, to_messages
 from sandbox.agents.hooks import AGENT_STATE, agent_state, compiled_helper, launch
 from sandbox.agents.registry import AGENTS
@@ -263,7 +264,7 @@ async def _main(
 ) -> None:
     async with trio.open_nursery() as services:
         await services.start(session.daemon.run)
-        services.start_soon(fuse_loop)
+        services.start_soon(pyfuse3.main)
         try:
             await _run_agent(opts, bwrap, session, outcome, mnt, lane_args)
         finally:
