@@ -6,7 +6,9 @@
 #
 # What it installs: the Debian packages fuse3, libfuse3-dev, pkg-config, git and
 # python3-venv when they are absent (as root through apt-get; otherwise it says what to
-# install), and a virtualenv in .venv with guardfs and its test and bench extras.
+# install), and a virtualenv in .venv with guardfs and its test and bench extras. For the
+# tests also chromium, podman, runc and mmdebstrap (while the virtualenv is made), and the
+# pinned agent CLIs from npm into .cache/ (while ruff, mypy and the no-FUSE pass run).
 set -euo pipefail
 
 cd "$(dirname "$0")"
@@ -15,11 +17,20 @@ PYTHON=${PYTHON:-python3}
 APT_PACKAGES=(fuse3 libfuse3-dev pkg-config git gcc bubblewrap util-linux)
 # Only the tests need these: headless Chromium opens the page guard report writes.
 TEST_APT_PACKAGES=(chromium)
+# The image test's (containers/test-image.sh installs them as here when missing): installed
+# beside the virtualenv rather than inside that test, the longest of the suite on a fresh machine.
+CONTAINER_APT_PACKAGES=(podman runc mmdebstrap)
 
 say() { printf 'dev.sh: %s\n' "$*" >&2; }
 
-install_system_packages() {
-    local missing=()
+APT_UPDATED=0
+
+install_system_packages() {  # [--no-install-recommends] package...
+    local missing=() flags=()
+    if [ "${1:-}" = --no-install-recommends ]; then
+        flags=("$1")
+        shift
+    fi
     for pkg in "$@"; do
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
     done
@@ -33,8 +44,9 @@ install_system_packages() {
         exit 69
     fi
     say "installing ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    [ "$APT_UPDATED" = 1 ] || apt-get update -qq
+    APT_UPDATED=1
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${flags[@]}" "${missing[@]}" >/dev/null
 }
 
 install_venv() {
@@ -52,32 +64,70 @@ install_venv() {
     echo "$want" > "$stamp"
 }
 
-setup() {
-    install_system_packages "$@"
-    install_venv
+setup() {  # [--test]
+    install_system_packages "${APT_PACKAGES[@]}"
+    if [ "${1:-}" = --test ] && [ "$(id -u)" -eq 0 ]; then
+        # The tests' own packages download and unpack while pip builds the virtualenv.
+        (install_system_packages "${TEST_APT_PACKAGES[@]}" &&
+            install_system_packages --no-install-recommends "${CONTAINER_APT_PACKAGES[@]}") &
+        local apt=$!
+        install_venv
+        wait "$apt" || { say "installing the test packages failed"; exit 1; }
+    else
+        [ "${1:-}" = --test ] && install_system_packages "${TEST_APT_PACKAGES[@]}"
+        install_venv
+    fi
     if [ ! -e /dev/fuse ]; then
         say "/dev/fuse is missing: load the fuse module (modprobe fuse), or give the container --device /dev/fuse --cap-add SYS_ADMIN"
         exit 69
     fi
 }
 
+ci() {
+    # The agent CLIs the tests run come from the npm registry (Codex alone is ~400 MB): fetched
+    # in the background while ruff, mypy and the no-FUSE pass run; a test that needs one before
+    # it is there waits for it (tests/helpers.py: npm_cli holds a lock per CLI).
+    local fetch_log status=0
+    fetch_log=$(mktemp)
+    "$VENV/bin/python" -c 'from tests.helpers import fetch_pinned_clis; fetch_pinned_clis()' > "$fetch_log" 2>&1 &
+    local fetch=$!
+    trap 'kill "$fetch" 2>/dev/null || true' EXIT  # ruff or mypy failed: stop waiting for it
+    "$VENV/bin/ruff" check guardfs sandbox tests bench
+    "$VENV/bin/mypy" --strict
+    # The suite mostly waits (real agent CLIs with quiet gaps of minutes, an image build, guard
+    # runs of seconds): it runs on twice as many pytest-xdist workers as there are cores.
+    # A module's tests run on one worker (its module-scoped fixtures set up once), the modules
+    # with slow tests first (tests/conftest.py orders them).
+    local workers=${GUARDFS_TEST_WORKERS:-$(($(nproc) * 2))}
+    # The pure core runs where FUSE cannot: prove it with /dev/fuse hidden (bubblewrap,
+    # a fresh /dev without it), so a test that mounts without its marker fails here.
+    say "pytest -m 'not mount' with no /dev/fuse"
+    bwrap --bind / / --dev /dev --proc /proc --unshare-pid --die-with-parent \
+        "$VENV/bin/pytest" -q -p no:cacheprovider -m "not mount" -n "$workers" --dist loadfile --no-loadscope-reorder \
+        --basetemp="$(mktemp -d)"
+    say "pytest, the whole suite, on $workers workers"
+    "$VENV/bin/pytest" -n "$workers" --dist loadfile --no-loadscope-reorder || status=$?
+    wait "$fetch" || true
+    trap - EXIT
+    [ -s "$fetch_log" ] && say "fetching the agent CLIs said: $(cat "$fetch_log")"
+    rm -f "$fetch_log"
+    return "$status"
+}
+
 case "${1:-}" in
     demo)
-        setup "${APT_PACKAGES[@]}"
+        setup
         exec "$VENV/bin/guard" demo
         ;;
     test)
-        setup "${APT_PACKAGES[@]}" "${TEST_APT_PACKAGES[@]}"
+        setup --test
         shift
+        if [ $# -eq 0 ]; then
+            ci
+            exit
+        fi
         "$VENV/bin/ruff" check guardfs sandbox tests bench
         "$VENV/bin/mypy" --strict
-        if [ $# -eq 0 ]; then
-            # The pure core runs where FUSE cannot: prove it with /dev/fuse hidden (bubblewrap,
-            # a fresh /dev without it), so a test that mounts without its marker fails here.
-            say "pytest -m 'not mount' with no /dev/fuse"
-            bwrap --bind / / --dev /dev --proc /proc --unshare-pid --die-with-parent \
-                "$VENV/bin/pytest" -q -p no:cacheprovider -m "not mount" --basetemp="$(mktemp -d)"
-        fi
         exec "$VENV/bin/pytest" "$@"
         ;;
     *)

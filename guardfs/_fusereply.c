@@ -24,6 +24,17 @@
  * guardfs sets no flag until this has seen a reply pass (seen() > 0): where the linker
  * bound pyfuse3 elsewhere (LD_BIND_NOW before this was loaded), no handle ever carries a
  * flag the kernel would keep.
+ *
+ * Directories without OPENDIR. Even with listings cached, every opendir(3) costs an OPENDIR
+ * and a RELEASEDIR round trip (setuptools' ~50,000 per pip install -e . of Django). When a
+ * filesystem answers OPENDIR with ENOSYS, the kernel stops sending OPENDIR and RELEASEDIR
+ * for the mount and caches every listing by default (fs/fuse/file.c: "Default for
+ * no-open"); READDIRPLUS then comes with file handle 0, and pyfuse3 hands its handler the
+ * handle alone, never the inode. This module also defines fuse_session_new, through which
+ * pyfuse3 registers its operations, and wraps the directory ones that take a handle
+ * (readdirplus, readdir, fsyncdir) so that a request with handle 0 reaches pyfuse3 with
+ * BY_INODE | inode instead. guardfs answers OPENDIR with ENOSYS only when dirs_by_inode()
+ * says the wrapping took place.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -38,18 +49,86 @@
 #define FLAG_CACHE_DIR 1u
 #define FLAG_NOFLUSH 2u
 
+#define BY_INODE (UINT64_C(1) << 63)
+
 typedef int (*reply_open_fn)(fuse_req_t, const struct fuse_file_info *);
+typedef struct fuse_session *(*session_new_fn)(struct fuse_args *, const struct fuse_lowlevel_ops *, size_t, void *);
+typedef void (*list_fn)(fuse_req_t, fuse_ino_t, size_t, off_t, struct fuse_file_info *);
+typedef void (*fsyncdir_fn)(fuse_req_t, fuse_ino_t, int, struct fuse_file_info *);
 
 static reply_open_fn real_reply_open;
 static unsigned long long replies_seen;
 static unsigned long long flags_applied;
 
-static reply_open_fn find_real(void)
+static struct fuse_lowlevel_ops wrapped_ops;
+static list_fn their_readdir, their_readdirplus;
+static fsyncdir_fn their_fsyncdir;
+static int ops_wrapped;
+
+static void *libfuse_symbol(const char *name)
 {
     /* libfuse is loaded by now (pyfuse3, which calls us, needs it); look the symbol up in
-     * its own scope, never the global one, which finds this function again. */
+     * its own scope, never the global one, which finds our own definition again. */
     void *lib = dlopen("libfuse3.so.3", RTLD_LAZY | RTLD_NOLOAD);
-    return lib == NULL ? NULL : (reply_open_fn)dlsym(lib, "fuse_reply_open");
+    return lib == NULL ? NULL : dlsym(lib, name);
+}
+
+static reply_open_fn find_real(void)
+{
+    return (reply_open_fn)libfuse_symbol("fuse_reply_open");
+}
+
+/* The handle pyfuse3 passes on: the kernel's, or for a directory opened without OPENDIR
+ * (handle 0), its inode marked BY_INODE. pyfuse3 copies the handle before returning. */
+static struct fuse_file_info by_inode(const struct fuse_file_info *fi, fuse_ino_t ino)
+{
+    struct fuse_file_info out = *fi;
+    if (out.fh == 0)
+        out.fh = BY_INODE | (uint64_t)ino;
+    return out;
+}
+
+static void readdir_by_inode(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi)
+{
+    struct fuse_file_info out = by_inode(fi, ino);
+    their_readdir(req, ino, size, off, &out);
+}
+
+static void readdirplus_by_inode(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi)
+{
+    struct fuse_file_info out = by_inode(fi, ino);
+    their_readdirplus(req, ino, size, off, &out);
+}
+
+static void fsyncdir_by_inode(fuse_req_t req, fuse_ino_t ino, int datasync, struct fuse_file_info *fi)
+{
+    struct fuse_file_info out = by_inode(fi, ino);
+    their_fsyncdir(req, ino, datasync, &out);
+}
+
+struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_lowlevel_ops *op, size_t op_size,
+                                      void *userdata)
+{
+    session_new_fn real = (session_new_fn)libfuse_symbol("fuse_session_new");
+    if (real == NULL)
+        return NULL;
+    if (op_size != sizeof wrapped_ops) {  /* another libfuse's layout: as it is, by handle */
+        ops_wrapped = 0;
+        return real(args, op, op_size, userdata);
+    }
+    wrapped_ops = *op;
+    their_readdir = op->readdir;
+    their_readdirplus = op->readdirplus;
+    their_fsyncdir = op->fsyncdir;
+    if (their_readdir != NULL)
+        wrapped_ops.readdir = readdir_by_inode;
+    if (their_readdirplus != NULL)
+        wrapped_ops.readdirplus = readdirplus_by_inode;
+    if (their_fsyncdir != NULL)
+        wrapped_ops.fsyncdir = fsyncdir_by_inode;
+    struct fuse_session *se = real(args, &wrapped_ops, sizeof wrapped_ops, userdata);
+    ops_wrapped = se != NULL;
+    return se;
 }
 
 int fuse_reply_open(fuse_req_t req, const struct fuse_file_info *fi)
@@ -82,7 +161,14 @@ static PyObject *applied(PyObject *self, PyObject *unused)
     return PyLong_FromUnsignedLongLong(flags_applied);
 }
 
+static PyObject *dirs_by_inode(PyObject *self, PyObject *unused)
+{
+    return PyBool_FromLong(ops_wrapped);
+}
+
 static PyMethodDef methods[] = {
+    {"dirs_by_inode", dirs_by_inode, METH_NOARGS,
+     "Whether the session's directory operations get BY_INODE | inode for handle 0."},
     {"seen", seen, METH_NOARGS, "Replies to OPEN and OPENDIR that passed through here."},
     {"applied", applied, METH_NOARGS, "Replies whose handle asked for a flag (and got it)."},
     {NULL, NULL, 0, NULL},
@@ -100,7 +186,8 @@ PyMODINIT_FUNC PyInit__fusereply(void)
         return NULL;
     if (PyModule_AddIntConstant(m, "FLAG_SHIFT", FLAG_SHIFT) < 0
         || PyModule_AddIntConstant(m, "CACHE_DIR", FLAG_CACHE_DIR) < 0
-        || PyModule_AddIntConstant(m, "NOFLUSH", FLAG_NOFLUSH) < 0) {
+        || PyModule_AddIntConstant(m, "NOFLUSH", FLAG_NOFLUSH) < 0
+        || PyModule_AddObject(m, "BY_INODE", PyLong_FromUnsignedLongLong(BY_INODE)) < 0) {
         Py_DECREF(m);
         return NULL;
     }

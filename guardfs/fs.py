@@ -136,13 +136,20 @@ def _renameat2(olddir: int, old: str, newdir: int, new: str, flags: int) -> None
         raise OSError(err, os.strerror(err), old)
 
 
+#: A directory's listing: name, attributes (None: the virtual STATE.md) and classification.
+_Listing = list[tuple[str, os.stat_result | None, Classification]]
+#: Listings kept between the requests of one directory read without OPENDIR (the kernel reads
+#: a large directory in several; readers of other directories may come in between).
+_LISTINGS_KEPT = 64
+
+
 @dataclass(slots=True, eq=False)
 class _Dir:
     """An open directory and its listing, taken at the first readdir."""
 
     fd: int
     entry: Entry
-    listing: list[tuple[str, os.stat_result | None, Classification]] | None = field(default=None)
+    listing: _Listing | None = field(default=None)
 
 
 class GuardFS(pyfuse3.Operations):
@@ -207,6 +214,7 @@ class GuardFS(pyfuse3.Operations):
         self._fd_ceiling = soft - min(FD_RESERVE, soft // 4)
         self._fd_short = False
         self._dirs: dict[int, _Dir] = {}
+        self._listings: dict[int, _Listing] = {}  # directories read without OPENDIR, by inode
         self._next_dir = 1
         self._as_root = os.geteuid() == 0
         self.state_text = state_text or functools.partial(default_state, manifest, self.accounting, events)
@@ -224,9 +232,11 @@ class GuardFS(pyfuse3.Operations):
         for f in self._files.values():
             os.close(f.fd)
         for d in self._dirs.values():
-            os.close(d.fd)
+            if d.fd >= 0:
+                os.close(d.fd)
         self._files.clear()
         self._dirs.clear()
+        self._listings.clear()
         if self.preimages is not None:
             self.preimages.close()
         self.backing.close()
@@ -828,10 +838,15 @@ class GuardFS(pyfuse3.Operations):
 
     @_fuse_errors
     async def opendir(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.FileHandleT:
-        """Open a directory for listing."""
+        """Open a directory for listing.
+
+        Where guardfs._fusereply names a directory's inode in requests without a handle, the
+        first OPENDIR answers ENOSYS: the kernel sends none again for this mount (nor
+        RELEASEDIR), caches every listing, and readdir judges the directory instead."""
+        if fusereply.dirs_by_inode():
+            raise FUSEError(errno.ENOSYS)
         entry = self._entry(inode)
-        if entry.where.scope is Scope.FORBIDDEN:
-            self.gate.check(Request("opendir", entry.path, entry.where, False))
+        self._judge_listing(entry)
         fd = -1 if entry.virtual else self.backing.open(entry.path, os.O_RDONLY | os.O_DIRECTORY)
         if fd >= 0:
             self._reserve_opened(fd)
@@ -845,17 +860,26 @@ class GuardFS(pyfuse3.Operations):
         # attribute timeout has passed, as for every other cached attribute).
         return pyfuse3.FileHandleT(fusereply.handle(dh, fusereply.CACHE_DIR))
 
+    def _judge_listing(self, entry: Entry) -> None:
+        """Listing a forbidden directory is refused (and judged as an opendir)."""
+        if entry.where.scope is Scope.FORBIDDEN:
+            self.gate.check(Request("opendir", entry.path, entry.where, False))
+
     @_fuse_errors
     async def readdir(self, fh: pyfuse3.FileHandleT, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         """List a directory. Forbidden names are left out: readdirplus would hand the kernel
         their attributes (size, times) without a lookup, and the name itself can be a secret.
         """
-        d = self._dirs[fh]
-        if d.listing is None or start_id == 0:
-            d.listing = self.guard.listing() if d.entry.virtual else self._list(d)
+        if fh & fusereply.BY_INODE:
+            base, listing = self._listing_by_inode(pyfuse3.InodeT(fh & ~fusereply.BY_INODE), start_id)
+        else:
+            d = self._dirs[fh]
+            if d.listing is None or start_id == 0:
+                d.listing = self.guard.listing() if d.entry.virtual else self._list(d.fd, d.entry)
+            base, listing = d.entry.path, d.listing
         inodes = self.inodes
-        for i in range(start_id, len(d.listing)):
-            name, st, where = d.listing[i]
+        for i in range(start_id, len(listing)):
+            name, st, where = listing[i]
             if st is None:  # the virtual STATE.md: permanent, not counted
                 attr = self.guard.attr(self.guard.file)
                 if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(os.fsencode(name)), attr, i + 1):
@@ -864,19 +888,39 @@ class GuardFS(pyfuse3.Operations):
             entry_ino = inodes.fuse_ino(st.st_ino)
             if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(os.fsencode(name)), self._attr(st, entry_ino), i + 1):
                 return
-            inodes.remember(st.st_ino, st.st_mode, _join(d.entry.path, name), where)
+            inodes.remember(st.st_ino, st.st_mode, _join(base, name), where)
 
-    def _list(self, d: _Dir) -> list[tuple[str, os.stat_result | None, Classification]]:
-        out: list[tuple[str, os.stat_result | None, Classification]] = []
-        base = d.entry.path
+    def _listing_by_inode(self, inode: pyfuse3.InodeT, start_id: int) -> tuple[str, _Listing]:
+        """The listing of directory *inode*, opened without OPENDIR: judged and taken afresh
+        when the kernel starts from the top, kept (a few, the latest) for its next requests."""
+        entry = self._entry(inode)
+        listing = self._listings.pop(inode, None)
+        if listing is None or start_id == 0:
+            self._judge_listing(entry)
+            if entry.virtual:
+                listing = self.guard.listing()
+            else:
+                fd = self.backing.open(entry.path, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    listing = self._list(fd, entry)
+                finally:
+                    os.close(fd)
+        self._listings[inode] = listing  # the most recent last
+        if len(self._listings) > _LISTINGS_KEPT:
+            del self._listings[next(iter(self._listings))]
+        return entry.path, listing
+
+    def _list(self, fd: int, entry: Entry) -> _Listing:
+        out: _Listing = []
+        base = entry.path
         # The virtual .guard/ is reachable by name but not listed, so that `git add -A`,
         # tar and rsync never pick up the guard's own state; a real .guard is shadowed.
-        root = d.entry.ino == pyfuse3.ROOT_INODE
+        root = entry.ino == pyfuse3.ROOT_INODE
         scratch = self._scratch
         in_scratch = scratch is not None and scratch.in_scratch(base)
         # Scratch roots in a workspace directory hide its names and are listed in their place.
         shadow = set(scratch.roots_in(base)) if scratch is not None and not in_scratch else set()
-        with os.scandir(d.fd) as it:
+        with os.scandir(fd) as it:
             for de in it:
                 if (root and de.name == GUARD_DIR) or de.name in shadow:
                     continue
@@ -912,9 +956,19 @@ class GuardFS(pyfuse3.Operations):
     @_fuse_errors
     async def fsyncdir(self, fh: pyfuse3.FileHandleT, datasync: bool) -> None:
         """fsync a directory in a worker thread."""
-        fd = self._dirs[fh].fd
-        if fd >= 0:
+        if not fh & fusereply.BY_INODE:
+            fd = self._dirs[fh].fd
+            if fd >= 0:
+                await trio.to_thread.run_sync(os.fsync, fd)
+            return
+        entry = self._entry(pyfuse3.InodeT(fh & ~fusereply.BY_INODE))
+        if entry.virtual:
+            return
+        fd = self.backing.open(entry.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
             await trio.to_thread.run_sync(os.fsync, fd)
+        finally:
+            os.close(fd)
 
     @_fuse_errors
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:

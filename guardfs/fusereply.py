@@ -1,9 +1,14 @@
-"""Open flags pyfuse3 cannot set: the kernel's directory-listing cache and no FLUSH on close.
+"""Open flags pyfuse3 cannot set: the kernel's directory-listing cache and no FLUSH on close,
+and directories listed without OPENDIR.
 
 :mod:`guardfs._fusereply` (C, built with the package) replaces libfuse's ``fuse_reply_open``
 for pyfuse3 and reads the flags from the top byte of the file handle; :func:`handle` puts
 them there. It must be loaded with RTLD_GLOBAL before pyfuse3 first replies to an open, so
 :func:`load` runs when the ``guardfs`` package is imported (half a millisecond).
+
+Directories: the module also wraps the directory operations pyfuse3 registers, so that a
+request the kernel sends without a handle (after OPENDIR answered ENOSYS, it sends none and
+caches every listing) carries ``BY_INODE | inode`` instead (:func:`dirs_by_inode`).
 
 No flag is asked for until the module has seen a reply pass through it (:func:`active`): a
 handle with a flag in it must never reach the kernel, which would hand it back to us as is.
@@ -18,7 +23,7 @@ import os
 import sys
 from types import ModuleType
 
-__all__ = ["CACHE_DIR", "NOFLUSH", "active", "applied", "handle", "load", "loaded_first"]
+__all__ = ["BY_INODE", "CACHE_DIR", "NOFLUSH", "active", "applied", "dirs_by_inode", "handle", "load", "loaded_first"]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +31,8 @@ log = logging.getLogger(__name__)
 CACHE_DIR = 1
 #: Send no FLUSH when a descriptor of this file is closed (FOPEN_NOFLUSH).
 NOFLUSH = 2
+#: In a directory handle: the rest is the directory's inode (opened without OPENDIR).
+BY_INODE = 1 << 63
 _SHIFT = 56
 
 _module: ModuleType | None = None
@@ -50,7 +57,8 @@ def load() -> None:
         return
     finally:
         sys.setdlopenflags(flags)
-    if (_fusereply.FLAG_SHIFT, _fusereply.CACHE_DIR, _fusereply.NOFLUSH) != (_SHIFT, CACHE_DIR, NOFLUSH):
+    if (_fusereply.FLAG_SHIFT, _fusereply.CACHE_DIR, _fusereply.NOFLUSH, _fusereply.BY_INODE) != (
+            _SHIFT, CACHE_DIR, NOFLUSH, BY_INODE):
         raise ImportError("guardfs._fusereply was built from another version of guardfs: reinstall guardfs")
     _module = _fusereply
 
@@ -66,6 +74,12 @@ def active() -> bool:
     if not _active and _module is not None:
         _active = _module.seen() > 0
     return _active
+
+
+def dirs_by_inode() -> bool:
+    """Whether the mounted session's directory requests name their inode when the kernel
+    sends no handle (see guardfs/_fusereply.c): then OPENDIR may answer ENOSYS."""
+    return _module is not None and _module.dirs_by_inode()
 
 
 def handle(fh: int, flags: int) -> int:

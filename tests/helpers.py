@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -101,19 +102,44 @@ def npm_cli(package: str, version: str, command: str, cache_name: str) -> Path:
     ``.cache/<cache_name>-<version>`` on first use; skipped, with npm's words, where it cannot be."""
     prefix = CLI_CACHE / f"{cache_name}-{version}"
     binary = prefix / "node_modules/.bin" / command
-    if not binary.exists():
-        if shutil.which("npm") is None:
-            pytest.skip(f"npm is not installed: cannot fetch {package}")
-        prefix.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run(
-            ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(prefix), f"{package}@{version}"],
-            capture_output=True, text=True, timeout=900,
-        )
-        if proc.returncode != 0 or not binary.exists():
-            pytest.skip(f"the npm registry is unreachable or refused the install: {proc.stderr.strip()[-300:]}")
+    CLI_CACHE.mkdir(exist_ok=True)
+    # One install at a time per CLI: pytest-xdist workers (and ./dev.sh's early fetch) may want it at once.
+    with open(CLI_CACHE / f"{cache_name}-{version}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not binary.exists():
+            if shutil.which("npm") is None:
+                pytest.skip(f"npm is not installed: cannot fetch {package}")
+            prefix.mkdir(parents=True, exist_ok=True)
+            proc = subprocess.run(
+                ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(prefix), f"{package}@{version}"],
+                capture_output=True, text=True, timeout=900,
+            )
+            if proc.returncode != 0 or not binary.exists():
+                pytest.skip(f"the npm registry is unreachable or refused the install: {proc.stderr.strip()[-300:]}")
     found = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
     assert version in found.stdout, found.stderr
     return binary
+
+
+def fetch_pinned_clis() -> None:
+    """Install every pinned agent CLI the tests run, at once (``./dev.sh test`` starts this in the
+    background before ruff, mypy and the no-FUSE pass, so that the downloads overlap them); says
+    on stderr what could not be fetched (the tests then try again, and skip with npm's words)."""
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .test_claude_code import CLAUDE_CLI
+    from .test_real_codex import CODEX_CLI
+    from .test_real_gemini import GEMINI_CLI
+
+    def fetch(cli: tuple[str, str, str, str]) -> None:
+        try:
+            npm_cli(*cli)
+        except pytest.skip.Exception as skipped:
+            print(f"fetching {cli[0]}@{cli[1]}: {skipped.msg}", file=sys.stderr)
+
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(fetch, [CLAUDE_CLI, CODEX_CLI, GEMINI_CLI]))
 
 
 def reports(log: Path) -> list[dict[str, Any]]:

@@ -215,6 +215,7 @@ def test_cat_env_twice_is_terminal(tmp_path: Path) -> None:
     assert trips == [("forbidden_path", "HALF_OPEN_REANCHOR"), ("forbidden_path", "OPEN_FORBIDDEN_PATH")], trips
 
 
+@pytest.mark.usefixtures("dev_fuse_mode_to_myself")  # it chmods /dev/fuse (see conftest.py)
 @pytest.mark.root
 @pytest.mark.mount
 def test_an_unprivileged_guard_reads_the_intent_too(tmp_path: Path) -> None:

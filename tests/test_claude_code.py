@@ -14,12 +14,14 @@ from .helpers import npm_cli
 from .model_server import Turn, scripted_model
 
 CLAUDE_VERSION = "2.1.332"
+#: npm_cli's arguments for it (also fetched early by ./dev.sh test: helpers.fetch_pinned_clis).
+CLAUDE_CLI = ("@anthropic-ai/claude-code", CLAUDE_VERSION, "claude", "claude-code")
 
 
 @pytest.fixture(scope="session")
 def claude_cli() -> Path:
     """The pinned Claude Code CLI, installed from the npm registry on first use."""
-    return npm_cli("@anthropic-ai/claude-code", CLAUDE_VERSION, "claude", "claude-code")
+    return npm_cli(*CLAUDE_CLI)
 
 
 def setup(tmp_path: Path, extra: str = "") -> tuple[Path, Path, Path]:

@@ -187,7 +187,7 @@ def test_another_run_and_the_hosts_secrets_are_out_of_reach(tmp_path: Path, user
     finally:
         canary.unlink(missing_ok=True)
         shutil.rmtree(shared, ignore_errors=True)
-    assert not list(Path("/tmp").glob("guardfs-stage-*/*"))
+    assert not _stages_left_by_ended_guards()
 
 
 def _only_allowed(names: set[str]) -> None:
@@ -271,7 +271,7 @@ def test_lanes_staging_is_out_of_sight_whatever_tmpdir_says(tmp_path: Path, user
         assert list(tmpdir.iterdir()) == []
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
-    assert not list(Path("/tmp").glob("guardfs-stage-*/*"))
+    assert not _stages_left_by_ended_guards()
 
 
 def test_lane_planning_leaves_out_symlinked_and_in_scope_lanes(tmp_path: Path) -> None:
@@ -363,6 +363,27 @@ def test_a_run_directory_made_after_a_sandbox_started_is_closed_to_it(tmp_path: 
 
 @pytest.mark.root
 @pytest.mark.mount
+def test_a_live_run_another_user_cannot_reach_does_not_stop_that_users_run(tmp_path: Path) -> None:
+    """Every sandbox covers the other live runs' directories; one under a directory the agent's
+    user may not enter (0700) needs no cover from it, and its bubblewrap could not place one
+    there: `guard run --user nobody` must start while such a run lives (it failed with
+    "bwrap: Can't mkdir ...: Permission denied")."""
+    closed = Path(tempfile.mkdtemp(prefix="guardfs-closed-", dir="/var/tmp"))
+    try:
+        closed.chmod(0o700)
+        with _run_b(tmp_path, closed) as (live, run_b):
+            ws, manifest = _workspace(tmp_path / "n", "nobody")
+            result, found = _run(manifest, ws, tmp_path / "run-n", {"lists": [str(run_b)]}, "nobody")
+            assert result.returncode == 0, result.stderr
+            assert found[f"list:{run_b}"][0] == "EACCES", found  # out of reach all the same
+            assert live.poll() is None
+            _stop(live, run_b)
+    finally:
+        shutil.rmtree(closed, ignore_errors=True)
+
+
+@pytest.mark.root
+@pytest.mark.mount
 def test_a_guard_killed_with_sigkill_leaves_no_stage_behind_the_next_start(tmp_path: Path) -> None:
     """A guard killed with SIGKILL cannot remove its (empty) staging directory; the next
     guard that starts removes it, since its guard is gone, and keeps a live guard's."""
@@ -388,7 +409,11 @@ def test_a_guard_killed_with_sigkill_leaves_no_stage_behind_the_next_start(tmp_p
             killed.wait()
     wait_for(lambda: not os.path.exists(f"/proc/{killed.pid}"), "the killed guard to be reaped")
     assert stages[0].is_dir() and list(stages[0].iterdir()) == []  # left behind, empty on the host
-    with _run_b(tmp_path, Path(tempfile.mkdtemp(prefix="guardfs-escape-", dir="/var/tmp"))) as (live, run_b):
+    shared = Path(tempfile.mkdtemp(prefix="guardfs-escape-", dir="/var/tmp"))
+    # Traversable, as in the tests above: while B lives, every other run's sandbox covers its run
+    # directory, and an agent user's bubblewrap (another pytest-xdist worker's run) must reach it.
+    shared.chmod(0o711)
+    with _run_b(tmp_path, shared) as (live, run_b):
         live_stage = list(Path("/tmp").glob(f"guardfs-stage-*.{live.pid}-*"))
         assert not stages[0].exists()  # removed by this guard as it started
         ws2, manifest2 = workspace(tmp_path / "n")
@@ -400,6 +425,20 @@ def test_a_guard_killed_with_sigkill_leaves_no_stage_behind_the_next_start(tmp_p
         assert live.poll() is None
         _stop(live, run_b)
     shutil.rmtree(run_b.parent, ignore_errors=True)
+
+
+def _stages_left_by_ended_guards() -> list[Path]:
+    """What is left in the staging directories of guards that have ended (named
+    guardfs-stage-<pidns>.<pid>-*): a live guard's, another test's under pytest-xdist, is its
+    own, and may vanish while we look."""
+    left = []
+    for stage in Path("/tmp").glob("guardfs-stage-*"):
+        pid = stage.name.removeprefix("guardfs-stage-").split(".", 1)[-1].split("-", 1)[0]
+        if pid.isdigit() and os.path.exists(f"/proc/{pid}"):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            left += list(stage.iterdir())
+    return left
 
 
 def _stop(proc: subprocess.Popen[str], run_dir: Path) -> None:

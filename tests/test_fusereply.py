@@ -19,9 +19,11 @@ pytestmark = pytest.mark.mount
 
 
 def _warm(g: Guarded) -> None:
-    """One reply through the C module proves it is in pyfuse3's path; flags follow from then on."""
-    os.listdir(g.mnt)
+    """One reply to an open through the C module proves it is in pyfuse3's path; flags
+    follow from then on (and directories are read by inode from the first OPENDIR on)."""
+    (g.mnt / "src/checkout/tax.py").read_bytes()
     assert fusereply.active(), "guardfs._fusereply is not built or not in pyfuse3's path"
+    assert fusereply.dirs_by_inode()
 
 
 def _tree(tmp_path: Path) -> None:
@@ -35,14 +37,15 @@ def test_a_directory_listed_again_is_served_by_the_kernel(tmp_path: Path) -> Non
     _tree(tmp_path)
     with guarded_mount(tmp_path, count_calls=True) as g:
         _warm(g)
-        applied = fusereply.applied()
         first = sorted(os.listdir(g.mnt / "src/checkout"))
         assert first == ["cart.py", "tax.py"]
         listed = g.calls["readdir"]
         for _ in range(5):
             assert sorted(os.listdir(g.mnt / "src/checkout")) == first
-        assert g.calls["readdir"] == listed, "a listing of an unchanged directory reached the filesystem again"
-        assert fusereply.applied() > applied
+            assert sorted(os.listdir(g.mnt / "src")) == ["checkout"]
+        assert g.calls["readdir"] == 2 * listed, "a listing of an unchanged directory reached the filesystem again"
+        # One OPENDIR at most, ever (answered ENOSYS), and no RELEASEDIR.
+        assert g.calls.get("opendir", 0) <= 1 and "releasedir" not in g.calls, g.calls
 
 
 def test_the_cached_listing_follows_every_change_through_the_mount(tmp_path: Path) -> None:
@@ -82,10 +85,12 @@ def test_a_file_read_and_closed_sends_no_flush_and_a_write_still_counts_at_close
     _tree(tmp_path)
     with guarded_mount(tmp_path, count_calls=True) as g:
         _warm(g)
+        applied = fusereply.applied()
         before = g.calls.get("flush", 0)
         for _ in range(3):
             assert (g.mnt / "src/checkout/tax.py").read_text() == "RATE = 7\n"
         assert g.calls.get("flush", 0) == before, "closing a file opened for reading sent FLUSH"
+        assert fusereply.applied() >= applied + 3
         (g.mnt / "src/checkout/tax.py").write_text("RATE = 8\n")
         assert g.calls["flush"] > before
         # The rewrite is counted when close(2) returns, as before: the next open sees it.

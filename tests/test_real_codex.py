@@ -30,6 +30,8 @@ from .openai_server import Call, ResponsesModel, scripted_responses
 pytestmark = [pytest.mark.root, pytest.mark.mount, pytest.mark.slow]
 
 CODEX_VERSION = "0.169.0"
+#: npm_cli's arguments for it (also fetched early by ./dev.sh test: helpers.fetch_pinned_clis).
+CODEX_CLI = ("@openai/codex", CODEX_VERSION, "codex", "codex")
 #: A slug the CLI knows: an unknown one gets fallback metadata, and no apply_patch tool.
 MODEL = "gpt-5.5"
 GOAL = "Fix the tax rounding helper in src/checkout/"
@@ -40,7 +42,7 @@ FIXED = "def total(x):\n    return round(x, 2)\n"
 @pytest.fixture(scope="session")
 def codex_cli() -> Path:
     """The pinned Codex CLI, installed from the npm registry on first use."""
-    return npm_cli("@openai/codex", CODEX_VERSION, "codex", "codex")
+    return npm_cli(*CODEX_CLI)
 
 
 def repository(tmp_path: Path) -> tuple[Path, Path, Path]:

@@ -28,12 +28,14 @@ from .gemini_server import Turn, scripted_gemini
 from .helpers import FIX_TAX, npm_cli
 
 GEMINI_VERSION = "0.61.0"
+#: npm_cli's arguments for it (also fetched early by ./dev.sh test: helpers.fetch_pinned_clis).
+GEMINI_CLI = ("@google/gemini-cli", GEMINI_VERSION, "gemini", "gemini-cli")
 
 
 @pytest.fixture(scope="session")
 def gemini_cli() -> Path:
     """The pinned Gemini CLI, installed from the npm registry on first use."""
-    return npm_cli("@google/gemini-cli", GEMINI_VERSION, "gemini", "gemini-cli")
+    return npm_cli(*GEMINI_CLI)
 
 
 def git(ws: Path, *args: str) -> None:

@@ -126,7 +126,10 @@ class MidRunBinder:
         """Bind what is queued, for as long as the agent runs (cancelled when it ends)."""
         try:
             async for path, ino in self._queue:
-                await self._bind(tree, path, ino)
+                # A bind under way when the agent ends is finished and said (bounded by
+                # BIND_TIMEOUT): cancelled, its line and event would be lost with the bind done.
+                with trio.CancelScope(shield=True):
+                    await self._bind(tree, path, ino)
         finally:
             if self._namespace is not None:
                 # Held, it would keep the sandbox's namespace alive, with the mount's bind in it.

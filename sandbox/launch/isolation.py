@@ -28,7 +28,7 @@ import os
 import shutil
 import stat
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from guardfs.errors import UnavailableError
@@ -36,7 +36,8 @@ from sandbox.launch.landlock import LandlockUnavailable, abi_version
 
 __all__ = [
     "MAX_ETC_MASKS", "SANDBOX_RUN_DIR", "HostMasks", "Isolation", "IsolationUnavailable", "bind_read_only",
-    "bwrap_argv", "host_secrets", "mount_tmpfs", "private_mount_namespace", "probe", "system_entry", "unbind",
+    "bwrap_argv", "host_secrets", "mount_tmpfs", "private_mount_namespace", "probe", "reachable_by", "system_entry",
+    "unbind",
 ]
 
 #: Where the agent finds the guard inside the sandbox (GUARD_RUN_DIR).
@@ -167,6 +168,25 @@ def host_secrets(own_home: str | None = None, other_runs: Sequence[str] = ()) ->
     reveal = (own_home,) if own_home and any(own_home.startswith(d.rstrip("/") + "/") for d in dirs) \
         and os.path.isdir(own_home) else ()
     return HostMasks(tuple(dirs), tuple(files), reveal)
+
+
+def reachable_by(path: str, uid: int, gids: Collection[int]) -> bool:
+    """Whether a process of *uid* (with groups *gids*) may look *path* up: search permission,
+    by the mode bits, on every directory above it. A directory with an access ACL counts as
+    reachable (its mode bits do not tell)."""
+    parts = path.strip("/").split("/")
+    for i in range(len(parts)):
+        directory = "/" + "/".join(parts[:i])
+        try:
+            st = os.stat(directory)
+            if "system.posix_acl_access" in os.listxattr(directory):
+                continue
+        except OSError:
+            return False
+        bit = 0o100 if st.st_uid == uid else 0o010 if st.st_gid in gids else 0o001
+        if not st.st_mode & bit:
+            return False
+    return True
 
 
 def unbind(target: str) -> None:

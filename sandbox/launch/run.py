@@ -51,6 +51,7 @@ from sandbox.launch.isolation import (
     mount_tmpfs,
     private_mount_namespace,
     probe,
+    reachable_by,
     system_entry,
     unbind,
 )
@@ -330,6 +331,13 @@ def _agent_argv(
         pw = pwd.getpwnam(opts.user)
         os.chown(exec_logs, pw.pw_uid, pw.pw_gid)
     own_home = pwd.getpwnam(opts.user).pw_dir if opts.user is not None else None
+    other_runs = live_run_dirs(opts.run_dir)
+    if opts.user is not None:
+        # Another live run's directory the agent's user cannot even reach needs no cover, and
+        # that user's bubblewrap could not place one there (it would fail to start).
+        pw = pwd.getpwnam(opts.user)
+        groups = set(os.getgrouplist(pw.pw_name, pw.pw_gid))
+        other_runs = [d for d in other_runs if reachable_by(d, pw.pw_uid, groups)]
     if opts.agent in AGENTS and opts.user is None and (helper := compiled_helper()) is not None:
         # The hook helper lives in the user's cache (~/.cache), which the sandbox may cover (/root,
         # a home under /tmp): without this bind every hook call fails (127), which agents take as
@@ -343,7 +351,7 @@ def _agent_argv(
         agent_socket=str(daemon.agent_path), cwd=str(cwd), command=command,
         writable=[str(p) for p in _extra_writable(opts)] + ([str(state)] if state else []), pty=pty,
         entry=system_entry() if opts.user is not None else None, files=files, over_workspace=lane_args,
-        exec_logs=str(exec_logs), masks=host_secrets(own_home, live_run_dirs(opts.run_dir)),
+        exec_logs=str(exec_logs), masks=host_secrets(own_home, other_runs),
         mask_file=str(mask_file), network=opts.manifest.sandbox.network,
     )
     if opts.user is not None:
