@@ -33,7 +33,7 @@ from guardfs import fusereply
 from guardfs.accounting import WriteAccounting, WriteSession
 from guardfs.backing import Backing
 from guardfs.checkpoint import PreImages
-from guardfs.decision import Decider, LimitsDecider, Request
+from guardfs.decision import Decider, LimitsDecider, Request, Verdict
 from guardfs.events import EventLog
 from guardfs.gate import Gate
 from guardfs.gitguard import git_binary_ids, is_git_process
@@ -221,6 +221,8 @@ class GuardFS(pyfuse3.Operations):
         self.guard = GuardNode(self.inodes, self.state_text, cache_timeout)
         #: Told of each directory made in scope and generated (path, inode); it must not wait.
         self.on_generated_dir: Callable[[str, int], None] | None = None
+        #: Asked of each rename and link (src, dst): a refusal when it crosses a natively bound tree.
+        self.native_crossing: Callable[[str, str], Verdict | None] | None = None
         self.preimages = None if checkpoint_dir is None else PreImages(
             self.backing, checkpoint_dir, manifest.sandbox.checkpoint_max_bytes, events.emit,
             generated=self.policy.generated)
@@ -572,6 +574,8 @@ class GuardFS(pyfuse3.Operations):
             new_files=self.gate.new_files((path, target_where)),
         )
         self.gate.check(request)
+        if self.native_crossing is not None and (crossing := self.native_crossing(entry.path, path)) is not None:
+            self.gate.refuse(request, crossing)
         await self._pre(path)
         src_dir, src_name = self.backing.parent(entry.path)
         dst_dir, dst_name = self.backing.parent(path)
@@ -651,6 +655,8 @@ class GuardFS(pyfuse3.Operations):
             exchange,
         )
         self.gate.check(request)
+        if self.native_crossing is not None and (crossing := self.native_crossing(src, dst)) is not None:
+            self.gate.refuse(request, crossing)
         if src_dir or (exchange and dst_dir):
             check_carried(self.gate, self.backing, request, src, dst)
             if exchange:

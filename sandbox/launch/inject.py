@@ -45,7 +45,7 @@ import trio
 
 from guardfs.backing import openat2
 from guardfs.events import EventLog
-from sandbox.launch.native import MidRunRules
+from sandbox.launch.native import MAX_TREES, MidRunRules
 from sandbox.launch.supervisor import ProcessTree
 
 __all__ = ["MidRunBinder"]
@@ -103,13 +103,19 @@ class MidRunBinder:
         self._send, self._queue = trio.open_memory_channel[tuple[str, int]](math.inf)  # at most one per candidate
         self._namespace: int | None = None
         self._said = False
+        self._said_full = False
 
     def created(self, path: str, ino: int) -> None:
         """The mount made directory *path* (inode *ino*) in scope and generated: queue it if
         it names a native tree. Runs inside the FUSE request: cheap, never waits."""
         if not self.rules.candidate(path):
+            if self.enabled and self.rules.full and not self._said_full:
+                self._said_full = True
+                self.say(f"generated tree {path} made during the run goes through the mount: {MAX_TREES} were "
+                         "judged for a native bind in this run, the rest stay behind the mount")
             return
         if self.enabled:
+            self.rules.pin(path)  # before the reply: nothing crosses its edge from now on
             self._send.send_nowait((path, ino))
         elif not self._said:
             self._said = True
@@ -132,18 +138,21 @@ class MidRunBinder:
     async def _bind(self, tree: ProcessTree, path: str, ino: int) -> None:
         reason = await trio.to_thread.run_sync(self.rules.refusal, path)
         if reason is not None:
+            self.rules.unpin(path)  # never bound: moves across it are the mount's to judge again
             if reason:
                 self.say(f"generated tree left to the mount: {reason}")
             return
         try:
             source = _open_beneath(self.rules.root, path)
         except OSError as err:
+            self.rules.unpin(path)
             self.say(f"generated tree {path} made during the run stays behind the mount: {err}")
             return
         try:
             st = os.fstat(source)
             if st.st_ino != ino or not stat.S_ISDIR(st.st_mode):
-                return  # renamed or replaced since, or made in the scratch layer: not this tree
+                self.rules.unpin(path)
+                return  # removed and made again since, or made in the scratch layer: not this tree
             if self._namespace is None:
                 self._namespace = _sandbox_namespace(tree)
             argv = [sys.executable, "-I", "-S", "-c", _HELPER, str(source), str(self._namespace), self.seen_as,
