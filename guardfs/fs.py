@@ -870,8 +870,8 @@ class GuardFS(pyfuse3.Operations):
         """List a directory. Forbidden names are left out: readdirplus would hand the kernel
         their attributes (size, times) without a lookup, and the name itself can be a secret.
         """
-        if fh & fusereply.BY_INODE:
-            base, listing = self._listing_by_inode(pyfuse3.InodeT(fh & ~fusereply.BY_INODE), start_id)
+        if fusereply.dirs_by_inode():  # no OPENDIR: the handle is the directory's inode
+            base, listing = self._listing_by_inode(pyfuse3.InodeT(fh), start_id)
         else:
             d = self._dirs[fh]
             if d.listing is None or start_id == 0:
@@ -956,12 +956,12 @@ class GuardFS(pyfuse3.Operations):
     @_fuse_errors
     async def fsyncdir(self, fh: pyfuse3.FileHandleT, datasync: bool) -> None:
         """fsync a directory in a worker thread."""
-        if not fh & fusereply.BY_INODE:
+        if not fusereply.dirs_by_inode():
             fd = self._dirs[fh].fd
             if fd >= 0:
                 await trio.to_thread.run_sync(os.fsync, fd)
             return
-        entry = self._entry(pyfuse3.InodeT(fh & ~fusereply.BY_INODE))
+        entry = self._entry(pyfuse3.InodeT(fh))
         if entry.virtual:
             return
         fd = self.backing.open(entry.path, os.O_RDONLY | os.O_DIRECTORY)
