@@ -8,20 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .helpers import FIX_TAX, reports, run_events
+from .hostile import SECRET, hostile_run
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
-
-SECRET = "SECRET=hunter2\n"
 
 # How the guard starts: as `guard`, with guardfs._fusereply unimportable, or with pyfuse3
 # imported (and bound to libfuse's fuse_reply_open) before guardfs loads the module. It says,
@@ -40,13 +35,6 @@ sys.exit(status)
 """
 
 SCRIPT = r'''
-import errno, json, os
-def attempt(name, f):
-    try:
-        got = f()
-    except OSError as err:
-        got = errno.errorcode.get(err.errno, str(err.errno))
-    print(json.dumps({name: got}), flush=True)
 co = "src/checkout"
 for i in range(3):  # listed again and again: from the kernel's cache once it can
     attempt(f"list{i}", lambda: sorted(os.listdir(co)))
@@ -77,20 +65,10 @@ def _guard_run(tmp_path: Path, launch: str) -> tuple[dict[str, Any], dict[str, i
     (ws / "src/checkout/data").mkdir()
     (ws / ".env").write_text(SECRET)
     os.link(ws / ".env", ws / "src/checkout/data/env_hl")
-    (tmp_path / "manifest.toml").write_text(FIX_TAX)
-    python3 = shutil.which("python3", path="/usr/bin:/bin")
-    assert python3 is not None
     starter = f"import json, sys\n{LAUNCH[launch]}\nfrom sandbox.cli import main\n{EPILOGUE}"
-    proc = subprocess.run(
-        [sys.executable, "-c", starter, "run", "--ci", "--manifest", str(tmp_path / "manifest.toml"),
-         "--run-dir", str(tmp_path / "run"), "--", python3, "-c", textwrap.dedent(SCRIPT)],
-        cwd=ws, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
-    )
-    seen: dict[str, Any] = {}
-    for report in reports(tmp_path / "run/stdout.log"):
-        seen.update(report)
+    seen, events, proc = hostile_run(tmp_path, ws, None, SCRIPT, guard=("-c", starter))
     module: dict[str, int] = json.loads(proc.stderr.strip().splitlines()[-1])
-    return seen, module, run_events(tmp_path / "run"), proc
+    return seen, module, events, proc
 
 
 @pytest.mark.parametrize("launch", list(LAUNCH))

@@ -9,68 +9,23 @@ Each attack runs from inside a real ``guard run --ci``; the host is checked afte
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .helpers import FIX_TAX, reports, run_events
+from .helpers import FIX_TAX
+from .hostile import ATTEMPT, WAIT_MOUNTED, hostile_run, hostile_workspace
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
-
-SECRET = "SECRET=hunter2\n"
-PRELUDE = r'''
-import errno, json, os, sys, time
-def attempt(name, f):
-    try:
-        got = f()
-    except OSError as err:
-        got = errno.errorcode.get(err.errno, str(err.errno))
-    print(json.dumps({name: got}), flush=True)
-def mounted(path):
-    return any(line.split()[4] == os.path.abspath(path) for line in open("/proc/self/mountinfo"))
-def wait_mounted(path):
-    deadline = time.monotonic() + 20
-    while not mounted(path):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-'''
-
-
-def _workspace(tmp_path: Path) -> Path:
-    ws = tmp_path / "ws"
-    (ws / "src/checkout").mkdir(parents=True)
-    (ws / "src/checkout/tax.py").write_text("def total(x):\n    return x\n")
-    (ws / ".env").write_text(SECRET)
-    return ws
 
 
 def _guard_run(tmp_path: Path, ws: Path, user: str | None, script: str, manifest: str,
                ) -> tuple[dict[str, Any], list[dict[str, Any]], subprocess.CompletedProcess[str]]:
-    """``guard run --ci`` the hostile *script* in *ws*: what it saw, the events, the process."""
-    python3 = shutil.which("python3", path="/usr/bin:/bin")
-    assert python3 is not None
-    flags: list[str] = []
-    if user is not None:
-        subprocess.run(["chown", "-R", "65534:65534", str(ws)], check=True)
-        flags = ["--user", user]
-    (tmp_path / "manifest.toml").write_text(manifest)
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "sandbox", "run", "--ci", *flags, "--manifest", str(tmp_path / "manifest.toml"),
-         "--run-dir", str(run_dir), "--", python3, "-c", PRELUDE + textwrap.dedent(script)],
-        cwd=ws, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
-    )
-    seen: dict[str, Any] = {}
-    for report in reports(run_dir / "stdout.log"):
-        seen.update(report)
-    return seen, run_events(run_dir), proc
+    """The hostile *script* under ``guard run --ci``, able to wait for a tree's bind."""
+    return hostile_run(tmp_path, ws, user, script, manifest, prelude=ATTEMPT + WAIT_MOUNTED)
+
 
 
 # ----- a forbidden file carried into the tree -----------------------------------------------------
@@ -96,7 +51,7 @@ def test_a_directory_holding_a_hard_link_of_a_forbidden_file_is_not_carried_into
     refuses each by inode, but a rename of its directory is judged by path. Moved into a
     generated tree made during the run, before its bind or through a descriptor held across
     it, the link would be read natively."""
-    ws = _workspace(tmp_path)
+    ws = hostile_workspace(tmp_path)
     for name in ("early", "late"):
         (ws / "src/checkout" / name).mkdir()
         os.link(ws / ".env", ws / "src/checkout" / name / "env_hl")
@@ -148,7 +103,7 @@ def test_counted_territory_is_never_written_natively_through_a_bound_tree(tmp_pa
     or one of the tree's out of it, moves a directory of the tree out, or renames the tree's
     parent: each would let native writes (uncounted, unseen, not rolled back) land in counted
     territory, past max_files = 1."""
-    ws = _workspace(tmp_path)
+    ws = hostile_workspace(tmp_path)
     seen, events, proc = _guard_run(tmp_path, ws, None, NATIVE_WRITES, COUNTED)
     assert seen.get("bound") is True, (seen, proc.stderr[-2000:])
     assert seen["link in"] == seen["link out"] == seen["move out"] == "EXDEV", seen
@@ -187,7 +142,7 @@ def test_the_agent_cannot_make_the_guard_judge_and_fork_without_end(tmp_path: Pa
     """Each generated directory made during the run may cost the guard a helper process and a
     line: seventy trees, then the unbound ones removed and made again. At most MAX_TREES (64)
     are ever judged; the rest is said once."""
-    ws = _workspace(tmp_path)
+    ws = hostile_workspace(tmp_path)
     seen, events, proc = _guard_run(tmp_path, ws, None, MANY, FIX_TAX)
     assert seen.get("bound") == 64, (seen, proc.stderr[-2000:])
     lines = [line for line in proc.stderr.splitlines() if "generated tree" in line]
@@ -215,7 +170,7 @@ def test_a_set_user_id_program_left_in_a_native_tree_is_not_left_on_the_host(tmp
     """A root agent owns what it writes natively and may chmod it set-user-ID (no capability
     needed): a root program the next local user would run. The mount never lets that mode
     through; the native trees are swept when the agent has ended."""
-    ws = _workspace(tmp_path)
+    ws = hostile_workspace(tmp_path)
     (ws / "src/checkout/.venv").mkdir()
     seen, events, proc = _guard_run(tmp_path, ws, None, SETID, FIX_TAX)
     assert seen.get("bound") is True and seen["src/checkout/.venv setuid"] is None, (seen, proc.stderr[-2000:])
@@ -246,7 +201,7 @@ attempt("outer ns", lambda: os.readlink("/proc/self/ns/mnt"))
 def test_a_tree_made_from_a_namespace_of_the_agents_own_is_bound_in_the_sandboxs(tmp_path: Path) -> None:
     """The helper enters the first namespace of the agent's process tree that is not the
     guard's, breadth-first: the sandbox's, whatever namespaces the agent makes below it."""
-    ws = _workspace(tmp_path)
+    ws = hostile_workspace(tmp_path)
     seen, _, proc = _guard_run(tmp_path, ws, None, NESTED, FIX_TAX)
     inner_ns, inner_mounts = seen["inner"]
     assert inner_ns != seen["outer ns"] and inner_mounts == "0", (seen, proc.stderr[-2000:])

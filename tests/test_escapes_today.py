@@ -6,60 +6,18 @@ generated trees, trip on intent, git's own restores. Each attack runs from insid
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from .helpers import FIX_TAX, FORBIDDEN_TERMINAL, reports, run_events
+from .helpers import FIX_TAX, FORBIDDEN_TERMINAL
+from .hostile import SECRET, hostile_run, hostile_workspace
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
 
 USERS = [None, "nobody"]
-SECRET = "SECRET=hunter2\n"
-PRELUDE = r'''
-import errno, json, os, sys
-def attempt(name, f):
-    try:
-        got = f()
-    except OSError as err:
-        got = errno.errorcode.get(err.errno, str(err.errno))
-    print(json.dumps({name: got}), flush=True)
-'''
-
-
-def _workspace(tmp_path: Path) -> Path:
-    ws = tmp_path / "ws"
-    (ws / "src/checkout").mkdir(parents=True)
-    (ws / "src/checkout/tax.py").write_text("def total(x):\n    return x\n")
-    (ws / ".env").write_text(SECRET)
-    return ws
-
-
-def _guard_run(tmp_path: Path, ws: Path, user: str | None, script: str, manifest: str = FIX_TAX,
-               ) -> tuple[dict[str, Any], list[dict[str, Any]], subprocess.CompletedProcess[str]]:
-    """``guard run --ci`` the hostile *script* in *ws*: what it saw, the events, the process."""
-    python3 = shutil.which("python3", path="/usr/bin:/bin")
-    assert python3 is not None
-    flags: list[str] = []
-    if user is not None:
-        subprocess.run(["chown", "-R", "65534:65534", str(ws)], check=True)
-        flags = ["--user", user]
-    (tmp_path / "manifest.toml").write_text(manifest)
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "sandbox", "run", "--ci", *flags, "--manifest", str(tmp_path / "manifest.toml"),
-         "--run-dir", str(run_dir), "--", python3, "-c", PRELUDE + textwrap.dedent(script)],
-        cwd=ws, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
-    )
-    seen: dict[str, Any] = {}
-    for report in reports(run_dir / "stdout.log"):
-        seen.update(report)
-    return seen, run_events(run_dir), proc
 
 
 # ----- native generated trees ---------------------------------------------------------------------
@@ -69,10 +27,10 @@ def _guard_run(tmp_path: Path, ws: Path, user: str | None, script: str, manifest
 def test_a_hard_link_of_a_forbidden_file_inside_a_native_tree_is_masked(tmp_path: Path, user: str | None) -> None:
     """A hard link of ``.env`` made on the host before the run, inside an in-scope ``.venv/``
     that is bound natively: the mount refuses it by inode, the bind must not show it."""
-    ws = _workspace(tmp_path)
+    ws = hostile_workspace(tmp_path)
     (ws / "src/checkout/.venv").mkdir()
     os.link(ws / ".env", ws / "src/checkout/.venv/env_hl")
-    seen, _, proc = _guard_run(tmp_path, ws, user, '''
+    seen, _, proc = hostile_run(tmp_path, ws, user, '''
         attempt("native", lambda: any(l.split()[4].endswith("/src/checkout/.venv")
                                       for l in open("/proc/self/mountinfo")))
         attempt("read", lambda: open("src/checkout/.venv/env_hl").read())
@@ -111,10 +69,10 @@ attempt("stat", lambda: os.stat(".env"))
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="the i386 ABI of x86_64")
 @pytest.mark.parametrize("user", USERS)
 def test_an_i386_unlink_of_a_forbidden_file_is_contact(tmp_path: Path, user: str | None) -> None:
-    ws = _workspace(tmp_path)
+    ws = hostile_workspace(tmp_path)
     """Refused either way; with the first forbidden contact terminal, the run stops there (with
     the i386 call read as x86_64's fanotify_mark, it went on, three times, without a trip)."""
-    seen, events, proc = _guard_run(tmp_path, ws, user, I386, FIX_TAX + FORBIDDEN_TERMINAL)
+    seen, events, proc = hostile_run(tmp_path, ws, user, I386, FIX_TAX + FORBIDDEN_TERMINAL)
     lookups = [e for e in events if e["op"] == "lookup" and e["path"] == ".env"]
     assert lookups and lookups[0]["intent"] == "fanotify_mark (not the 64-bit ABI)", (events, proc.stderr[-2000:])
     assert [e["rule"] for e in events if e["op"] == "trip"] == ["forbidden_path"], events
@@ -169,9 +127,9 @@ def test_bytecode_planted_in_scope_never_reaches_the_host(tmp_path: Path, user: 
     """An unchecked-hash .pyc for an in-scope module (in its existing __pycache__, which the
     default list would bind natively) and a sourceless one: the host's Python would run them
     in place of the source, uncounted, unseen by git diff, kept by rollback."""
-    ws = _workspace(tmp_path)
+    ws = hostile_workspace(tmp_path)
     (ws / "src/checkout/__pycache__").mkdir()
-    seen, events, proc = _guard_run(tmp_path, ws, user, PLANT)
+    seen, events, proc = hostile_run(tmp_path, ws, user, PLANT)
     assert proc.returncode == 0 and len(seen) == 2, (seen, proc.stderr[-2000:])
     assert [e for e in events if e["op"] == "trip"] == []
     assert sorted(p.name for p in (ws / "src/checkout").rglob("*")) == ["__pycache__", "tax.py"]
@@ -202,10 +160,10 @@ for i in range(6):  # the real git binary writes each version back, in turn
 def test_git_cannot_flip_a_file_between_versions_freely(tmp_path: Path, user: str | None) -> None:
     """Git's writes back to a version it holds are no oscillation of the agent's, once per
     version: checking out one commit, then another, in a loop, is."""
-    ws = _workspace(tmp_path)
+    ws = hostile_workspace(tmp_path)
     who = ["-c", "user.email=a@b", "-c", "user.name=a"]
     for args in (["init", "-q"], ["add", "src"], [*who, "commit", "-qm", "start"]):
         subprocess.run(["git", *args], cwd=ws, check=True)
-    seen, events, proc = _guard_run(tmp_path, ws, user, FLIP, FIX_TAX + '[limits]\nmax_files = "unlimited"\n')
+    seen, events, proc = hostile_run(tmp_path, ws, user, FLIP, FIX_TAX + '[limits]\nmax_files = "unlimited"\n')
     assert seen.get("flip0") == [0, 0], (seen, proc.stderr[-2000:])
     assert "oscillation" in [e["rule"] for e in events if e["op"] == "trip"], seen
