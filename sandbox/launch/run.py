@@ -421,8 +421,9 @@ def _midrun_binder(opts: RunOptions, bwrap: str | None, private: bool, events: E
     guard with a private mount namespace (root) can; an unprivileged one says so once."""
     if not opts.manifest.sandbox.native_generated or bwrap is None:
         return None
-    return MidRunBinder(MidRunRules(opts.manifest, opts.workspace, planned), str(opts.workspace), events, _say,
-                        enabled=private)
+    # RUN_DIR/scratch: where sandbox.session puts the scratch layer (generated output out of scope).
+    rules = MidRunRules(opts.manifest, opts.workspace, planned, scratch=opts.run_dir / "scratch")
+    return MidRunBinder(rules, str(opts.workspace), events, _say, enabled=private)
 
 
 def _extra_writable(opts: RunOptions) -> list[Path]:
