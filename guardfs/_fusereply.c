@@ -32,9 +32,11 @@
  * no-open"); READDIRPLUS then comes with file handle 0, and pyfuse3 hands its handler the
  * handle alone, never the inode. This module also defines fuse_session_new, through which
  * pyfuse3 registers its operations, and wraps the directory ones that take a handle
- * (readdirplus, readdir, fsyncdir) so that a request with handle 0 reaches pyfuse3 with
- * BY_INODE | inode instead. guardfs answers OPENDIR with ENOSYS only when dirs_by_inode()
- * says the wrapping took place.
+ * (readdirplus, readdir, fsyncdir) so that a request with handle 0 reaches pyfuse3 with the
+ * directory's inode as its handle (never 0 in FUSE). Once OPENDIR has answered ENOSYS no
+ * directory has a handle of its own, so guardfs reads every directory handle as an inode
+ * (no marker bit: inode numbers may use all 64). guardfs answers OPENDIR with ENOSYS only
+ * when dirs_by_inode() says the wrapping took place.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -48,8 +50,6 @@
 #define FLAG_SHIFT 56
 #define FLAG_CACHE_DIR 1u
 #define FLAG_NOFLUSH 2u
-
-#define BY_INODE (UINT64_C(1) << 63)
 
 typedef int (*reply_open_fn)(fuse_req_t, const struct fuse_file_info *);
 typedef struct fuse_session *(*session_new_fn)(struct fuse_args *, const struct fuse_lowlevel_ops *, size_t, void *);
@@ -79,12 +79,12 @@ static reply_open_fn find_real(void)
 }
 
 /* The handle pyfuse3 passes on: the kernel's, or for a directory opened without OPENDIR
- * (handle 0), its inode marked BY_INODE. pyfuse3 copies the handle before returning. */
+ * (handle 0), its inode. pyfuse3 copies the handle before returning. */
 static struct fuse_file_info by_inode(const struct fuse_file_info *fi, fuse_ino_t ino)
 {
     struct fuse_file_info out = *fi;
     if (out.fh == 0)
-        out.fh = BY_INODE | (uint64_t)ino;
+        out.fh = (uint64_t)ino;
     return out;
 }
 
@@ -168,7 +168,7 @@ static PyObject *dirs_by_inode(PyObject *self, PyObject *unused)
 
 static PyMethodDef methods[] = {
     {"dirs_by_inode", dirs_by_inode, METH_NOARGS,
-     "Whether the session's directory operations get BY_INODE | inode for handle 0."},
+     "Whether the session's directory operations get the inode for handle 0."},
     {"seen", seen, METH_NOARGS, "Replies to OPEN and OPENDIR that passed through here."},
     {"applied", applied, METH_NOARGS, "Replies whose handle asked for a flag (and got it)."},
     {NULL, NULL, 0, NULL},
@@ -186,8 +186,7 @@ PyMODINIT_FUNC PyInit__fusereply(void)
         return NULL;
     if (PyModule_AddIntConstant(m, "FLAG_SHIFT", FLAG_SHIFT) < 0
         || PyModule_AddIntConstant(m, "CACHE_DIR", FLAG_CACHE_DIR) < 0
-        || PyModule_AddIntConstant(m, "NOFLUSH", FLAG_NOFLUSH) < 0
-        || PyModule_AddObject(m, "BY_INODE", PyLong_FromUnsignedLongLong(BY_INODE)) < 0) {
+        || PyModule_AddIntConstant(m, "NOFLUSH", FLAG_NOFLUSH) < 0) {
         Py_DECREF(m);
         return NULL;
     }

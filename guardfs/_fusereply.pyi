@@ -3,7 +3,6 @@
 FLAG_SHIFT: int
 CACHE_DIR: int
 NOFLUSH: int
-BY_INODE: int
 
 def seen() -> int: ...
 def applied() -> int: ...

@@ -33,7 +33,7 @@ from guardfs import fusereply
 from guardfs.accounting import WriteAccounting, WriteSession
 from guardfs.backing import Backing
 from guardfs.checkpoint import PreImages
-from guardfs.decision import Decider, LimitsDecider, Request
+from guardfs.decision import Decider, LimitsDecider, Request, Verdict
 from guardfs.events import EventLog
 from guardfs.gate import Gate
 from guardfs.gitguard import git_binary_ids, is_git_process
@@ -222,6 +222,8 @@ class GuardFS(pyfuse3.Operations):
         #: Told of each directory made in scope and generated, and of each new scratch root
         #: (path, the mount's inode); it must not wait.
         self.on_generated_dir: Callable[[str, int], None] | None = None
+        #: Asked of each rename and link (src, dst): a refusal when it crosses a natively bound tree.
+        self.native_crossing: Callable[[str, str], Verdict | None] | None = None
         self.preimages = None if checkpoint_dir is None else PreImages(
             self.backing, checkpoint_dir, manifest.sandbox.checkpoint_max_bytes, events.emit,
             generated=self.policy.generated)
@@ -578,6 +580,8 @@ class GuardFS(pyfuse3.Operations):
             new_files=self.gate.new_files((path, target_where)),
         )
         self.gate.check(request)
+        if self.native_crossing is not None and (crossing := self.native_crossing(entry.path, path)) is not None:
+            self.gate.refuse(request, crossing)
         await self._pre(path)
         src_dir, src_name = self.backing.parent(entry.path)
         dst_dir, dst_name = self.backing.parent(path)
@@ -657,6 +661,8 @@ class GuardFS(pyfuse3.Operations):
             exchange,
         )
         self.gate.check(request)
+        if self.native_crossing is not None and (crossing := self.native_crossing(src, dst)) is not None:
+            self.gate.refuse(request, crossing)
         if src_dir or (exchange and dst_dir):
             check_carried(self.gate, self.backing, request, src, dst)
             if exchange:
@@ -870,8 +876,8 @@ class GuardFS(pyfuse3.Operations):
         """List a directory. Forbidden names are left out: readdirplus would hand the kernel
         their attributes (size, times) without a lookup, and the name itself can be a secret.
         """
-        if fh & fusereply.BY_INODE:
-            base, listing = self._listing_by_inode(pyfuse3.InodeT(fh & ~fusereply.BY_INODE), start_id)
+        if fusereply.dirs_by_inode():  # no OPENDIR: the handle is the directory's inode
+            base, listing = self._listing_by_inode(pyfuse3.InodeT(fh), start_id)
         else:
             d = self._dirs[fh]
             if d.listing is None or start_id == 0:
@@ -956,12 +962,12 @@ class GuardFS(pyfuse3.Operations):
     @_fuse_errors
     async def fsyncdir(self, fh: pyfuse3.FileHandleT, datasync: bool) -> None:
         """fsync a directory in a worker thread."""
-        if not fh & fusereply.BY_INODE:
+        if not fusereply.dirs_by_inode():
             fd = self._dirs[fh].fd
             if fd >= 0:
                 await trio.to_thread.run_sync(os.fsync, fd)
             return
-        entry = self._entry(pyfuse3.InodeT(fh & ~fusereply.BY_INODE))
+        entry = self._entry(pyfuse3.InodeT(fh))
         if entry.virtual:
             return
         fd = self.backing.open(entry.path, os.O_RDONLY | os.O_DIRECTORY)

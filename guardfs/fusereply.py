@@ -8,7 +8,7 @@ them there. It must be loaded with RTLD_GLOBAL before pyfuse3 first replies to a
 
 Directories: the module also wraps the directory operations pyfuse3 registers, so that a
 request the kernel sends without a handle (after OPENDIR answered ENOSYS, it sends none and
-caches every listing) carries ``BY_INODE | inode`` instead (:func:`dirs_by_inode`).
+caches every listing) carries the directory's inode as its handle (:func:`dirs_by_inode`).
 
 No flag is asked for until the module has seen a reply pass through it (:func:`active`): a
 handle with a flag in it must never reach the kernel, which would hand it back to us as is.
@@ -23,7 +23,7 @@ import os
 import sys
 from types import ModuleType
 
-__all__ = ["BY_INODE", "CACHE_DIR", "NOFLUSH", "active", "applied", "dirs_by_inode", "handle", "load", "loaded_first"]
+__all__ = ["CACHE_DIR", "NOFLUSH", "active", "applied", "dirs_by_inode", "handle", "load", "loaded_first"]
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +31,6 @@ log = logging.getLogger(__name__)
 CACHE_DIR = 1
 #: Send no FLUSH when a descriptor of this file is closed (FOPEN_NOFLUSH).
 NOFLUSH = 2
-#: In a directory handle: the rest is the directory's inode (opened without OPENDIR).
-BY_INODE = 1 << 63
 _SHIFT = 56
 
 _module: ModuleType | None = None
@@ -57,8 +55,7 @@ def load() -> None:
         return
     finally:
         sys.setdlopenflags(flags)
-    if (_fusereply.FLAG_SHIFT, _fusereply.CACHE_DIR, _fusereply.NOFLUSH, _fusereply.BY_INODE) != (
-            _SHIFT, CACHE_DIR, NOFLUSH, BY_INODE):
+    if (_fusereply.FLAG_SHIFT, _fusereply.CACHE_DIR, _fusereply.NOFLUSH) != (_SHIFT, CACHE_DIR, NOFLUSH):
         raise ImportError("guardfs._fusereply was built from another version of guardfs: reinstall guardfs")
     _module = _fusereply
 
@@ -78,7 +75,8 @@ def active() -> bool:
 
 def dirs_by_inode() -> bool:
     """Whether the mounted session's directory requests name their inode when the kernel
-    sends no handle (see guardfs/_fusereply.c): then OPENDIR may answer ENOSYS."""
+    sends no handle (see guardfs/_fusereply.c): then OPENDIR answers ENOSYS, and every
+    directory handle guardfs is given is an inode."""
     return _module is not None and _module.dirs_by_inode()
 
 

@@ -49,7 +49,7 @@ import trio
 from guardfs.backing import openat2
 from guardfs.events import EventLog
 from guardfs.scratch import SCRATCH_INO
-from sandbox.launch.native import MidRunRules
+from sandbox.launch.native import MAX_TREES, MidRunRules
 from sandbox.launch.supervisor import ProcessTree
 
 __all__ = ["MidRunBinder"]
@@ -107,14 +107,20 @@ class MidRunBinder:
         self._send, self._queue = trio.open_memory_channel[tuple[str, int]](math.inf)  # at most one per candidate
         self._namespace: int | None = None
         self._said = False
+        self._said_full = False
 
     def created(self, path: str, ino: int) -> None:
         """The mount made directory *path* (inode *ino*), in scope and generated, or a new root
         of the scratch layer (*ino* at or past SCRATCH_INO): queue it if it names a native tree.
         Runs inside the FUSE request: cheap, never waits."""
         if not self.rules.candidate(path, scratch=ino >= SCRATCH_INO):
+            if self.enabled and self.rules.full and not self._said_full:
+                self._said_full = True
+                self.say(f"generated tree {path} made during the run goes through the mount: {MAX_TREES} were "
+                         "judged for a native bind in this run, the rest stay behind the mount")
             return
         if self.enabled:
+            self.rules.pin(path)  # before the reply: nothing crosses its edge from now on
             self._send.send_nowait((path, ino))
         elif not self._said:
             self._said = True
@@ -126,7 +132,10 @@ class MidRunBinder:
         """Bind what is queued, for as long as the agent runs (cancelled when it ends)."""
         try:
             async for path, ino in self._queue:
-                await self._bind(tree, path, ino)
+                # A bind under way when the agent ends is finished and said (bounded by
+                # BIND_TIMEOUT): cancelled, its line and event would be lost with the bind done.
+                with trio.CancelScope(shield=True):
+                    await self._bind(tree, path, ino)
         finally:
             if self._namespace is not None:
                 # Held, it would keep the sandbox's namespace alive, with the mount's bind in it.
@@ -139,18 +148,21 @@ class MidRunBinder:
         judge = self.rules.refusal if scratch is None else self.rules.scratch_refusal
         reason = await trio.to_thread.run_sync(judge, path)
         if reason is not None:
+            self.rules.unpin(path)  # never bound: moves across it are the mount's to judge again
             if reason:
                 self.say(f"generated tree left to the mount: {reason}")
             return
         try:
             source = _open_beneath(self.rules.root if scratch is None else scratch, path)
         except OSError as err:
+            self.rules.unpin(path)
             self.say(f"generated tree {path} made during the run stays behind the mount: {err}")
             return
         try:
             st = os.fstat(source)
             if st.st_ino != (ino if scratch is None else ino - SCRATCH_INO) or not stat.S_ISDIR(st.st_mode):
-                return  # renamed or replaced since: not this tree
+                self.rules.unpin(path)
+                return  # removed and made again since: not this tree
             if self._namespace is None:
                 self._namespace = _sandbox_namespace(tree)
             argv = [sys.executable, "-I", "-S", "-c", _HELPER, str(source), str(self._namespace), self.seen_as,
@@ -169,6 +181,8 @@ class MidRunBinder:
         finally:
             os.close(source)
         self.rules.trees.append(path)
+        if scratch is not None:
+            self.rules.scratch_trees.append(path)
         where = "" if scratch is None else " from the run's scratch layer, never the workspace"
         self.say(f"generated tree made during the run (written natively{where} from now on, not seen by the "
                  f"breaker): {path}")

@@ -17,7 +17,11 @@ accounting, no rollback, which generated paths do not get anyway), and a forbidd
 *created* there during the run (by the agent, or by the host) is not judged. A mount point
 cannot be removed, so ``rm -rf .venv`` empties the tree and then fails on the directory
 itself (EBUSY); ``python -m venv --clear .venv`` empties it in place and works (but for a
-masked path, which stays).
+masked path, which stays). The mount refuses what the kernel would refuse natively: moving or
+linking anything across a tree's edge (EXDEV: ``mv`` copies), moving the tree or a directory
+above it (EBUSY) (:meth:`MidRunRules.crossing`). Set-user-ID and set-group-ID, which the mount
+never lets a chmod set, are taken off the trees' files when the agent has ended
+(:func:`strip_set_id`).
 
 A generated directory that does not exist at the start is created through the mount; a root
 guard then binds it into the running sandbox, by the same rules (:class:`MidRunRules`,
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import stat
 from dataclasses import dataclass, field
@@ -40,13 +45,14 @@ from pathlib import Path
 import pathspec
 
 from guardfs.backing import Backing
+from guardfs.decision import Verdict
 from guardfs.links import forbidden_links
 from guardfs.manifest import Manifest
-from guardfs.policy import GUARD_DIR, PathPolicy, Scope
+from guardfs.policy import GENERATED_RULE, GUARD_DIR, PathPolicy, Scope
 from sandbox.launch.lanes import StagedTrees
 
 __all__ = ["MAX_MASKS", "MAX_SCAN", "MAX_TREES", "SCRATCH_LEFT", "MidRunRules", "NativeStage", "NativeTrees",
-           "bind_writable", "plan_native"]
+           "bind_writable", "plan_native", "strip_set_id"]
 
 #: More forbidden paths than this inside one tree and it stays behind the mount (each mask is a mount).
 MAX_MASKS = 500
@@ -225,6 +231,16 @@ class MidRunRules:
     there before the bind keeps the tree behind the mount. As at the start, a forbidden name
     *created* in the tree once it is bound is not judged (see the module's docstring).
 
+    Nothing reaches a tree through the mount but what is made in it: from the moment it is
+    a candidate (:meth:`pin`), a rename or hard link through the mount across its edge, or of
+    it or a directory above it, is refused (:meth:`crossing`). Otherwise a directory holding
+    another name of a forbidden file (judged by path when it moves) would be read natively,
+    and a counted file linked in, or a directory moved out under a process standing in it,
+    written natively: uncounted, unseen, not rolled back. The mount is still reachable by a
+    descriptor of the tree opened before the bind; natively, the kernel refuses these moves
+    itself (EXDEV, EBUSY). At most MAX_TREES candidates are judged during a run (each may
+    cost a helper process): the agent cannot make the guard fork without end.
+
     A new root of the scratch layer (*scratch*, the run's RUN_DIR/scratch) is judged by
     :meth:`scratch_refusal` instead: everything below a root lives in scratch, so there is
     no scope to check, and the bind's source is the scratch directory."""
@@ -235,8 +251,16 @@ class MidRunRules:
         self.manifest = manifest
         self.anchored, self.names = _literal(list(getattr(manifest.paths, "generated", [])))
         self.trees = list(planned)  # bound, at the start or since
+        self.scratch_trees: list[str] = []  # those of them bound from the scratch layer
         self._seen = set(planned)  # every candidate queued: judged once; none looked for below one
+        self._limit = len(self._seen) + MAX_TREES  # candidates judged at most, the start's included
+        self.pinned = set(planned)  # bound or about to be: nothing moves across their edges
         self._planner: _Planner | None = None  # built on the first candidate, off the FUSE loop's way
+
+    @property
+    def full(self) -> bool:
+        """Whether no more candidates are judged in this run (MAX_TREES were)."""
+        return len(self._seen) >= self._limit
 
     def candidate(self, path: str, scratch: bool = False) -> bool:
         """Whether *path* (a new root of the scratch layer with *scratch*) names a native tree
@@ -246,10 +270,36 @@ class MidRunRules:
             return False
         if scratch and (self.scratch is None or name in SCRATCH_LEFT):
             return False
-        if path in self._seen or any(path.startswith(seen + "/") for seen in self._seen):
+        if path in self._seen or any(path.startswith(seen + "/") for seen in self._seen) or self.full:
             return False
         self._seen.add(path)
         return True
+
+    def pin(self, path: str) -> None:
+        """*path* may be bound from now on: refuse moves across its edge (:meth:`crossing`)."""
+        self.pinned.add(path)
+
+    def unpin(self, path: str) -> None:
+        """*path* will not be bound (judged not a native tree, or gone, before any bind)."""
+        self.pinned.discard(path)
+
+    def crossing(self, src: str, dst: str) -> Verdict | None:
+        """The refusal of a rename or hard link through the mount from *src* to *dst* that
+        would move something across a pinned tree's edge (EXDEV, as natively), or move the
+        tree or a directory above it (EBUSY: a mount point and the path to it stay put);
+        None when it touches no pinned tree. Cheap: called in the FUSE loop."""
+        for tree in self.pinned:
+            for end in (src, dst):
+                if end == tree or tree.startswith(end + "/"):
+                    return Verdict(False, GENERATED_RULE, tree, errno.EBUSY,
+                                   f"{src} -> {dst}: {end} is or holds {tree}, a generated tree bound natively "
+                                   "in the sandbox; it stays where it is")
+            inside = tree + "/"
+            if src.startswith(inside) != dst.startswith(inside):
+                return Verdict(False, GENERATED_RULE, tree, errno.EXDEV,
+                               f"{src} -> {dst}: {tree} is a generated tree bound natively in the sandbox; "
+                               "moving or linking across its edge is refused (EXDEV): copy instead")
+        return None
 
     def refusal(self, path: str) -> str | None:
         """Why the directory *path*, now in the real workspace, may not be bound ('' when it
@@ -353,6 +403,42 @@ def _linked(path: str, inodes: set[int] | frozenset[int]) -> bool:
     except OSError:
         return False
     return st.st_nlink > 1 and st.st_ino in inodes
+
+
+def strip_set_id(root: Path, trees: list[str]) -> list[str]:
+    """Remove set-user-ID and set-group-ID from the regular files of the native *trees* of
+    the workspace *root*, once the agent has ended; the paths changed.
+
+    The mount never lets a chmod set them (guardfs.fs), but natively a root agent owns what
+    it writes and may set them with no capability: a root program left for the next local
+    user to run. Directories keep set-group-ID (group inheritance), as through the mount.
+    Nothing of the agent runs any more, so nothing races this walk; symlinks are not followed."""
+    stripped: list[str] = []
+    for tree in trees:
+        if _symlinked_parent(root, tree) is not None:
+            continue
+        for dirpath, _, filenames in os.walk(root / tree):
+            for name in filenames:
+                path = os.path.join(dirpath, name)
+                try:
+                    if os.lstat(path).st_mode & (stat.S_ISUID | stat.S_ISGID) and _strip(path):
+                        stripped.append(os.path.relpath(path, root))
+                except OSError:
+                    continue  # gone, or not a file we may open: nothing to run
+    return stripped
+
+
+def _strip(path: str) -> bool:
+    """Clear set-user-ID and set-group-ID of regular file *path* (never through a symlink)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            return False
+        os.fchmod(fd, stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID))
+        return True
+    finally:
+        os.close(fd)
 
 
 def bind_writable(source: str, target: str) -> None:

@@ -56,7 +56,7 @@ from sandbox.launch.isolation import (
     unbind,
 )
 from sandbox.launch.lanes import LaneStage, plan_lanes
-from sandbox.launch.native import MidRunRules, NativeStage, plan_native
+from sandbox.launch.native import MidRunRules, NativeStage, plan_native, strip_set_id
 from sandbox.launch.quarantine import Recorder, console, digest
 from sandbox.launch.runs import claim_run_dir, live_run_dirs, registered, remove_stale_stages, stage_prefix
 from sandbox.launch.supervisor import ProcessTree, Spawner, wait_exit
@@ -148,6 +148,7 @@ def run(opts: RunOptions) -> int:
         _say(notice)
     if outcome.binder is not None:
         session.fs.on_generated_dir = outcome.binder.created
+        session.fs.native_crossing = outcome.binder.rules.crossing
     breaker, accounting = session.breaker, session.accounting
     try:
         # No umask(0): the agent keeps the user's umask; the mount gives each node it creates
@@ -160,6 +161,9 @@ def run(opts: RunOptions) -> int:
         finally:
             unmount()
     finally:
+        if outcome.binder is not None:
+            rules = outcome.binder.rules  # the scratch layer's trees never reach the host: removed with it
+            _strip_set_id(opts, [t for t in rules.trees if t not in rules.scratch_trees], events)
         session.close()
         events.close()
         lane_stage.cleanup()
@@ -424,6 +428,13 @@ def _midrun_binder(opts: RunOptions, bwrap: str | None, private: bool, events: E
     # RUN_DIR/scratch: where sandbox.session puts the scratch layer (generated output out of scope).
     rules = MidRunRules(opts.manifest, opts.workspace, planned, scratch=opts.run_dir / "scratch")
     return MidRunBinder(rules, str(opts.workspace), events, _say, enabled=private)
+
+
+def _strip_set_id(opts: RunOptions, trees: list[str], events: EventLog) -> None:
+    """Take set-user/group-ID off what the agent left in the native trees (sandbox.launch.native)."""
+    for path in strip_set_id(opts.workspace.resolve(), trees):
+        _say(f"{path}: set-user-ID/set-group-ID removed (left by the agent in a native generated tree)")
+        events.emit("chmod", path, "deny", rule="native_generated", reason="set-user-ID/set-group-ID removed")
 
 
 def _extra_writable(opts: RunOptions) -> list[Path]:

@@ -1,0 +1,253 @@
+"""Hostile agents against generated trees bound natively during the run (sandbox.launch.inject).
+
+Once a tree the agent made is bound, the sandbox reaches the same real directory two ways:
+natively (the bind), and through the mount, by a descriptor of the directory opened before the
+bind. What the mount moves into that directory is then read and written natively, unseen.
+Each attack runs from inside a real ``guard run --ci``; the host is checked afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .helpers import FIX_TAX, reports, run_events
+
+pytestmark = [pytest.mark.root, pytest.mark.mount]
+
+SECRET = "SECRET=hunter2\n"
+PRELUDE = r'''
+import errno, json, os, sys, time
+def attempt(name, f):
+    try:
+        got = f()
+    except OSError as err:
+        got = errno.errorcode.get(err.errno, str(err.errno))
+    print(json.dumps({name: got}), flush=True)
+def mounted(path):
+    return any(line.split()[4] == os.path.abspath(path) for line in open("/proc/self/mountinfo"))
+def wait_mounted(path):
+    deadline = time.monotonic() + 20
+    while not mounted(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+'''
+
+
+def _workspace(tmp_path: Path) -> Path:
+    ws = tmp_path / "ws"
+    (ws / "src/checkout").mkdir(parents=True)
+    (ws / "src/checkout/tax.py").write_text("def total(x):\n    return x\n")
+    (ws / ".env").write_text(SECRET)
+    return ws
+
+
+def _guard_run(tmp_path: Path, ws: Path, user: str | None, script: str, manifest: str,
+               ) -> tuple[dict[str, Any], list[dict[str, Any]], subprocess.CompletedProcess[str]]:
+    """``guard run --ci`` the hostile *script* in *ws*: what it saw, the events, the process."""
+    python3 = shutil.which("python3", path="/usr/bin:/bin")
+    assert python3 is not None
+    flags: list[str] = []
+    if user is not None:
+        subprocess.run(["chown", "-R", "65534:65534", str(ws)], check=True)
+        flags = ["--user", user]
+    (tmp_path / "manifest.toml").write_text(manifest)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sandbox", "run", "--ci", *flags, "--manifest", str(tmp_path / "manifest.toml"),
+         "--run-dir", str(run_dir), "--", python3, "-c", PRELUDE + textwrap.dedent(script)],
+        cwd=ws, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
+    )
+    seen: dict[str, Any] = {}
+    for report in reports(run_dir / "stdout.log"):
+        seen.update(report)
+    return seen, run_events(run_dir), proc
+
+
+# ----- a forbidden file carried into the tree -----------------------------------------------------
+
+CARRY = r'''
+os.mkdir("src/checkout/build")
+held = os.open("src/checkout/build", os.O_RDONLY | os.O_DIRECTORY)  # through the mount, kept across the bind
+# Before the bind: the binder judges the tree's contents, then binds it, a moment later.
+attempt("carry before", lambda: os.rename("src/checkout/early", "src/checkout/build/early"))
+attempt("bound", lambda: wait_mounted("src/checkout/build"))
+# After it: natively the move crosses mounts (EXDEV); through the held descriptor it reaches the mount.
+attempt("carry natively", lambda: os.rename("src/checkout/late", "src/checkout/build/late"))
+attempt("carry after", lambda: os.rename("src/checkout/late", "late", dst_dir_fd=held))
+attempt("read early", lambda: open("src/checkout/build/early/env_hl").read())
+attempt("read late", lambda: open("src/checkout/build/late/env_hl").read())
+'''
+
+
+@pytest.mark.parametrize("user", [None, "nobody"])
+def test_a_directory_holding_a_hard_link_of_a_forbidden_file_is_not_carried_into_a_bound_tree(
+        tmp_path: Path, user: str | None) -> None:
+    """Hard links of ``.env`` made before the run, in two in-scope directories: the mount
+    refuses each by inode, but a rename of its directory is judged by path. Moved into a
+    generated tree made during the run, before its bind or through a descriptor held across
+    it, the link would be read natively."""
+    ws = _workspace(tmp_path)
+    for name in ("early", "late"):
+        (ws / "src/checkout" / name).mkdir()
+        os.link(ws / ".env", ws / "src/checkout" / name / "env_hl")
+    seen, events, proc = _guard_run(tmp_path, ws, user, CARRY, FIX_TAX)
+    assert seen.get("bound") is True, (seen, proc.stderr[-2000:])
+    assert seen["carry natively"] == "EXDEV", seen
+    assert seen["carry before"] == seen["carry after"] == "EXDEV", seen
+    assert seen["read early"] == seen["read late"] == "ENOENT", seen
+    assert "hunter2" not in (tmp_path / "run/stdout.log").read_text()
+    assert sorted(os.listdir(ws / "src/checkout/build")) == []
+    refused = [e for e in events if e["op"] == "rename" and e["decision"] == "deny"]
+    assert [e["errno"] for e in refused] == ["EXDEV", "EXDEV"], refused
+    assert "src/checkout/build" in refused[0]["reason"], refused
+
+
+# ----- counted files written natively -------------------------------------------------------------
+
+COUNTED = FIX_TAX.replace('allowed = ["src/checkout/"]', 'allowed = ["src/"]') + """\
+generated = ["src/checkout/out/"]
+[limits]
+max_files = 1
+"""
+
+NATIVE_WRITES = r'''
+root = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
+os.mkdir("src/checkout/out")
+held = os.open("src/checkout/out", os.O_RDONLY | os.O_DIRECTORY)
+attempt("bound", lambda: wait_mounted("src/checkout/out"))
+# A counted file linked into the tree, then rewritten natively through the new name.
+attempt("link in", lambda: os.link("src/checkout/tax.py", "tax.py", dst_dir_fd=held))
+attempt("rewrite", lambda: open("src/checkout/out/tax.py", "w").write("PWNED = 1\n"))
+# A file made natively, linked out into counted territory.
+open("src/checkout/out/made.py", "w").write("NATIVE = 1\n")
+attempt("link out", lambda: os.link("made.py", "src/checkout/made.py", src_dir_fd=held))
+# A directory of the tree moved out under a process standing in it natively.
+os.mkdir("src/checkout/out/sub")
+os.chdir("src/checkout/out/sub")
+attempt("move out", lambda: os.rename("sub", "src/checkout/sub", src_dir_fd=held, dst_dir_fd=root))
+attempt("write moved", lambda: open("a.py", "w").write("A = 1\n"))
+os.chdir(root)
+# The tree's parent renamed: the anchored pattern no longer names it; the bind goes along.
+attempt("move parent", lambda: os.rename("src/checkout", "src/moved"))
+attempt("write under moved", lambda: open("src/moved/out/b.py", "w").write("B = 1\n"))
+'''
+
+
+def test_counted_territory_is_never_written_natively_through_a_bound_tree(tmp_path: Path) -> None:
+    """The mount, through a descriptor held across the bind, links a counted file into the tree
+    or one of the tree's out of it, moves a directory of the tree out, or renames the tree's
+    parent: each would let native writes (uncounted, unseen, not rolled back) land in counted
+    territory, past max_files = 1."""
+    ws = _workspace(tmp_path)
+    seen, events, proc = _guard_run(tmp_path, ws, None, NATIVE_WRITES, COUNTED)
+    assert seen.get("bound") is True, (seen, proc.stderr[-2000:])
+    assert seen["link in"] == seen["link out"] == seen["move out"] == "EXDEV", seen
+    assert seen["move parent"] == "EBUSY", seen
+    assert seen["rewrite"] == 10 and seen["write moved"] == 6, seen  # inside the tree: the agent's own
+    assert seen["write under moved"] == "ENOENT", seen
+    assert (ws / "src/checkout/tax.py").read_text() == "def total(x):\n    return x\n"
+    assert sorted(p.name for p in (ws / "src/checkout").iterdir()) == ["out", "tax.py"]
+    assert sorted(os.listdir(ws / "src/checkout/out")) == ["made.py", "sub", "tax.py"]
+    assert (ws / "src/checkout/out/sub/a.py").read_text() == "A = 1\n"
+    assert not (ws / "src/moved").exists()
+    assert [e["errno"] for e in events if e["decision"] == "deny"] == ["EXDEV", "EXDEV", "EXDEV", "EBUSY"], events
+    assert [e for e in events if e["op"] == "trip"] == []
+
+
+# ----- resource exhaustion through the guard ------------------------------------------------------
+
+MANY = r'''
+n = 70
+for i in range(n):
+    os.makedirs(f"src/checkout/t{i}/build")
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    bound = sum("/src/checkout/t" in line.split()[4] for line in open("/proc/self/mountinfo"))
+    if bound >= 64:
+        break
+    time.sleep(0.05)
+attempt("bound", lambda: bound)
+for i in range(n):  # removed and made again: each is a mkdir of a candidate's name
+    os.rmdir(f"src/checkout/t{i}/build") if not mounted(f"src/checkout/t{i}/build") else None
+    os.makedirs(f"src/checkout/t{i}/build", exist_ok=True)
+'''
+
+
+def test_the_agent_cannot_make_the_guard_judge_and_fork_without_end(tmp_path: Path) -> None:
+    """Each generated directory made during the run may cost the guard a helper process and a
+    line: seventy trees, then the unbound ones removed and made again. At most MAX_TREES (64)
+    are ever judged; the rest is said once."""
+    ws = _workspace(tmp_path)
+    seen, events, proc = _guard_run(tmp_path, ws, None, MANY, FIX_TAX)
+    assert seen.get("bound") == 64, (seen, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if "generated tree" in line]
+    assert len([line for line in lines if "written natively from now on" in line]) == 64, lines
+    others = [line for line in lines if "written natively from now on" not in line]
+    assert len(others) == 1 and "64 were judged for a native bind in this run" in others[0], lines
+    assert len([e for e in events if e["op"] == "native"]) == 64
+
+
+# ----- programs the host may run ------------------------------------------------------------------
+
+SETID = r'''
+import shutil
+os.mkdir("src/checkout/build")
+attempt("bound", lambda: wait_mounted("src/checkout/build"))
+for tree in ("src/checkout/build", "src/checkout/.venv"):  # made during the run; there at the start
+    shutil.copy("/usr/bin/id", f"{tree}/id")
+    attempt(f"{tree} setuid", lambda: os.chmod(f"{tree}/id", 0o6755))
+    os.mkdir(f"{tree}/shared")
+    attempt(f"{tree} setgid dir", lambda: os.chmod(f"{tree}/shared", 0o2755))
+'''
+
+
+def test_a_set_user_id_program_left_in_a_native_tree_is_not_left_on_the_host(tmp_path: Path) -> None:
+    """A root agent owns what it writes natively and may chmod it set-user-ID (no capability
+    needed): a root program the next local user would run. The mount never lets that mode
+    through; the native trees are swept when the agent has ended."""
+    ws = _workspace(tmp_path)
+    (ws / "src/checkout/.venv").mkdir()
+    seen, events, proc = _guard_run(tmp_path, ws, None, SETID, FIX_TAX)
+    assert seen.get("bound") is True and seen["src/checkout/.venv setuid"] is None, (seen, proc.stderr[-2000:])
+    for tree in ("src/checkout/build", "src/checkout/.venv"):
+        assert oct((ws / tree / "id").stat().st_mode & 0o7777) == oct(0o755), tree
+        assert (ws / tree / "shared").stat().st_mode & 0o7777 == 0o2755  # group inheritance, as the mount allows
+    assert "set-user-ID" in proc.stderr and "src/checkout/build/id" in proc.stderr, proc.stderr[-2000:]
+    assert sorted(e["path"] for e in events if e["op"] == "chmod") == ["src/checkout/.venv/id",
+                                                                        "src/checkout/build/id"]
+
+
+# ----- the namespace the bind lands in ------------------------------------------------------------
+
+NESTED = r'''
+import subprocess
+# A user and mount namespace of the agent's own (no capability needed), where it makes the tree;
+# it looks at its own mounts once the sandbox's has the bind.
+inner = subprocess.Popen(["unshare", "-U", "-m", "--propagation", "unchanged", "sh", "-c",
+                          'readlink /proc/self/ns/mnt; mkdir src/checkout/build; read go; '
+                          'grep -c " $PWD/src/checkout/build " /proc/self/mountinfo'],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+attempt("bound outside", lambda: wait_mounted("src/checkout/build"))
+attempt("inner", lambda: inner.communicate("go\n")[0].split())
+attempt("outer ns", lambda: os.readlink("/proc/self/ns/mnt"))
+'''
+
+
+def test_a_tree_made_from_a_namespace_of_the_agents_own_is_bound_in_the_sandboxs(tmp_path: Path) -> None:
+    """The helper enters the first namespace of the agent's process tree that is not the
+    guard's, breadth-first: the sandbox's, whatever namespaces the agent makes below it."""
+    ws = _workspace(tmp_path)
+    seen, _, proc = _guard_run(tmp_path, ws, None, NESTED, FIX_TAX)
+    inner_ns, inner_mounts = seen["inner"]
+    assert inner_ns != seen["outer ns"] and inner_mounts == "0", (seen, proc.stderr[-2000:])
+    assert seen["bound outside"] is True, seen
