@@ -219,7 +219,8 @@ class GuardFS(pyfuse3.Operations):
         self._as_root = os.geteuid() == 0
         self.state_text = state_text or functools.partial(default_state, manifest, self.accounting, events)
         self.guard = GuardNode(self.inodes, self.state_text, cache_timeout)
-        #: Told of each directory made in scope and generated (path, inode); it must not wait.
+        #: Told of each directory made in scope and generated, and of each new scratch root
+        #: (path, the mount's inode); it must not wait.
         self.on_generated_dir: Callable[[str, int], None] | None = None
         #: Asked of each rename and link (src, dst): a refusal when it crosses a natively bound tree.
         self.native_crossing: Callable[[str, str], Verdict | None] | None = None
@@ -542,8 +543,13 @@ class GuardFS(pyfuse3.Operations):
         _, path = self._child(parent_inode, name)
         where = self._where(path, None, True)
         attr = await self._created("mkdir", path, where, ctx, lambda d, n: os.mkdir(n, mode, dir_fd=d), mode)
-        if where.scope is Scope.GENERATED and self.on_generated_dir is not None:
-            self.on_generated_dir(path, attr.st_ino)  # the launcher may bind it natively (sandbox.launch.inject)
+        scratch = self._scratch
+        if self.on_generated_dir is not None and (
+                path in scratch.roots if scratch is not None and scratch.in_scratch(path)
+                else where.scope is Scope.GENERATED):
+            # Generated in the workspace, or a new root of the scratch layer (its inode offset):
+            # the launcher may bind it natively (sandbox.launch.inject).
+            self.on_generated_dir(path, attr.st_ino)
         return attr
 
     @_fuse_errors

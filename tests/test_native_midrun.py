@@ -186,29 +186,31 @@ def test_a_tree_made_during_the_run_is_bound_and_nothing_written_before_is_lost(
 
 OUT_OF_SCOPE = PRELUDE + """
     out = {}
-    os.mkdir("node_modules")  # generated, out of scope: the run's scratch layer
-    with open("node_modules/x.js", "w") as f:
-        f.write("module.exports = 1\\n")
-    os.mkdir("src/checkout/node_modules")  # in scope: bound, after node_modules/ was judged (one queue)
+    os.mkdir("__pycache__")  # generated, out of scope: the run's scratch layer, left to the mount
+    with open("__pycache__/x.pyc", "w") as f:
+        f.write("bytecode\\n")
+    os.mkdir("src/checkout/node_modules")  # in scope: bound, after __pycache__/ was judged (one queue)
     out["in scope bound"] = wait_mounted("src/checkout/node_modules")
-    out["out of scope bound"] = mounted("node_modules")
-    out["out of scope fs"] = fstype("node_modules")
-    out["out of scope read"] = open("node_modules/x.js").read()
+    out["out of scope bound"] = mounted("__pycache__")
+    out["out of scope fs"] = fstype("__pycache__")
+    out["out of scope read"] = open("__pycache__/x.pyc").read()
     print(json.dumps(out))
 """
 
 
 @pytest.mark.root
 @pytest.mark.mount
-def test_a_generated_tree_made_out_of_scope_stays_in_the_scratch_layer(tmp_path: Path) -> None:
+def test_a_pycache_made_out_of_scope_stays_in_the_scratch_layer_behind_the_mount(tmp_path: Path) -> None:
+    """Other generated trees made out of scope are bound from the scratch layer
+    (tests/test_native_scratch.py); __pycache__/ is left to the mount (native.SCRATCH_LEFT)."""
     ws, manifest = workspace(tmp_path)
     run = guard_run(manifest, ws, tmp_path / "run", OUT_OF_SCOPE, "--ci")
     assert run.returncode == 0, run.stderr
     out = json.loads((tmp_path / "run/stdout.log").read_text())
     assert out == {"in scope bound": True, "out of scope bound": False, "out of scope fs": out["out of scope fs"],
-                   "out of scope read": "module.exports = 1\n"}, run.stderr
+                   "out of scope read": "bytecode\n"}, run.stderr
     assert out["out of scope fs"].startswith("fuse")
-    assert not (ws / "node_modules").exists()  # never in the real workspace
+    assert not (ws / "__pycache__").exists()  # never in the real workspace
     assert (ws / "src/checkout/node_modules").is_dir()
     assert [e["path"] for e in run_events(tmp_path / "run") if e["op"] == "native"] == ["src/checkout/node_modules"]
     assert ledger(tmp_path / "run")["trips"] == []

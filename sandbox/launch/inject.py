@@ -9,7 +9,10 @@ binds it, writable, over its place in the sandbox's own mount namespace:
 
 1. in the guard's (private) namespace, ``open_tree(OPEN_TREE_CLONE)`` of the real directory,
    opened beneath the workspace without following a symlink, and the very inode the mount
-   just made (a directory of the scratch layer is another inode: it is never bound);
+   just made; for a new root of the run's scratch layer (generated output out of scope,
+   :mod:`guardfs.scratch`), the scratch directory itself, opened beneath RUN_DIR/scratch the
+   same way (the mount shows it with its inode number offset by ``SCRATCH_INO``), never the
+   workspace's path: the host still never sees what the agent writes there;
 2. ``setns`` into the mount namespace of a process of the sandbox;
 3. ``move_mount`` of that detached copy onto the directory as the sandbox sees it, opened
    beneath the workspace the same way and checked to be the same inode (a name renamed or
@@ -45,6 +48,7 @@ import trio
 
 from guardfs.backing import openat2
 from guardfs.events import EventLog
+from guardfs.scratch import SCRATCH_INO
 from sandbox.launch.native import MAX_TREES, MidRunRules
 from sandbox.launch.supervisor import ProcessTree
 
@@ -106,9 +110,10 @@ class MidRunBinder:
         self._said_full = False
 
     def created(self, path: str, ino: int) -> None:
-        """The mount made directory *path* (inode *ino*) in scope and generated: queue it if
-        it names a native tree. Runs inside the FUSE request: cheap, never waits."""
-        if not self.rules.candidate(path):
+        """The mount made directory *path* (inode *ino*), in scope and generated, or a new root
+        of the scratch layer (*ino* at or past SCRATCH_INO): queue it if it names a native tree.
+        Runs inside the FUSE request: cheap, never waits."""
+        if not self.rules.candidate(path, scratch=ino >= SCRATCH_INO):
             if self.enabled and self.rules.full and not self._said_full:
                 self._said_full = True
                 self.say(f"generated tree {path} made during the run goes through the mount: {MAX_TREES} were "
@@ -120,7 +125,8 @@ class MidRunBinder:
         elif not self._said:
             self._said = True
             self.say(f"generated tree {path} made during the run goes through the mount: binding it into the "
-                     "running sandbox needs a root guard (bound natively from the next run on)")
+                     "running sandbox needs a root guard"
+                     + ("" if ino >= SCRATCH_INO else " (bound natively from the next run on)"))
 
     async def serve(self, tree: ProcessTree) -> None:
         """Bind what is queued, for as long as the agent runs (cancelled when it ends)."""
@@ -136,23 +142,27 @@ class MidRunBinder:
                 os.close(self._namespace)
 
     async def _bind(self, tree: ProcessTree, path: str, ino: int) -> None:
-        reason = await trio.to_thread.run_sync(self.rules.refusal, path)
+        # The mount's inode *ino* is what the sandbox sees (the helper checks it there); the
+        # source must be the directory the mount made, in its layer, under its real number.
+        scratch = self.rules.scratch if ino >= SCRATCH_INO else None
+        judge = self.rules.refusal if scratch is None else self.rules.scratch_refusal
+        reason = await trio.to_thread.run_sync(judge, path)
         if reason is not None:
             self.rules.unpin(path)  # never bound: moves across it are the mount's to judge again
             if reason:
                 self.say(f"generated tree left to the mount: {reason}")
             return
         try:
-            source = _open_beneath(self.rules.root, path)
+            source = _open_beneath(self.rules.root if scratch is None else scratch, path)
         except OSError as err:
             self.rules.unpin(path)
             self.say(f"generated tree {path} made during the run stays behind the mount: {err}")
             return
         try:
             st = os.fstat(source)
-            if st.st_ino != ino or not stat.S_ISDIR(st.st_mode):
+            if st.st_ino != (ino if scratch is None else ino - SCRATCH_INO) or not stat.S_ISDIR(st.st_mode):
                 self.rules.unpin(path)
-                return  # removed and made again since, or made in the scratch layer: not this tree
+                return  # removed and made again since: not this tree
             if self._namespace is None:
                 self._namespace = _sandbox_namespace(tree)
             argv = [sys.executable, "-I", "-S", "-c", _HELPER, str(source), str(self._namespace), self.seen_as,
@@ -171,9 +181,13 @@ class MidRunBinder:
         finally:
             os.close(source)
         self.rules.trees.append(path)
-        self.say(f"generated tree made during the run (written natively from now on, not seen by the breaker): "
-                 f"{path}")
-        self.events.emit("native", path, "allow", trees=[path], masked=0, during_run=True)
+        if scratch is not None:
+            self.rules.scratch_trees.append(path)
+        where = "" if scratch is None else " from the run's scratch layer, never the workspace"
+        self.say(f"generated tree made during the run (written natively{where} from now on, not seen by the "
+                 f"breaker): {path}")
+        self.events.emit("native", path, "allow", trees=[path], masked=0, during_run=True,
+                         scratch=None if scratch is None else True)
 
 
 def _open_beneath(root: Path, path: str) -> int:

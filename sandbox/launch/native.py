@@ -26,7 +26,10 @@ never lets a chmod set, are taken off the trees' files when the agent has ended
 A generated directory that does not exist at the start is created through the mount; a root
 guard then binds it into the running sandbox, by the same rules (:class:`MidRunRules`,
 :mod:`sandbox.launch.inject`). An unprivileged one leaves it to the mount (written through
-FUSE, uncounted) and binds it from the next run on.
+FUSE, uncounted) and binds it from the next run on. A generated directory made *out of*
+scope during the run is a root of the run's scratch layer (:mod:`guardfs.scratch`): a root
+guard binds that scratch directory (never the workspace's path) the same way, so that the
+agent writes its caches natively and the host still never sees them.
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ from guardfs.manifest import Manifest
 from guardfs.policy import GENERATED_RULE, GUARD_DIR, PathPolicy, Scope
 from sandbox.launch.lanes import StagedTrees
 
-__all__ = ["MAX_MASKS", "MAX_SCAN", "MAX_TREES", "MidRunRules", "NativeStage", "NativeTrees", "bind_writable",
-           "plan_native", "strip_set_id"]
+__all__ = ["MAX_MASKS", "MAX_SCAN", "MAX_TREES", "SCRATCH_LEFT", "MidRunRules", "NativeStage", "NativeTrees",
+           "bind_writable", "plan_native", "strip_set_id"]
 
 #: More forbidden paths than this inside one tree and it stays behind the mount (each mask is a mount).
 MAX_MASKS = 500
@@ -59,6 +62,11 @@ MAX_TREES = 64
 MAX_SCAN = 2000
 #: How deep below the root an unanchored name is looked for.
 MAX_DEPTH = 4
+#: Generated names left to the mount when made in the scratch layer: Python writes one
+#: __pycache__/ per package it imports (hundreds in a test run), each holding a few .pyc written
+#: once; a bind per package is a mount each, counted against MAX_TREES, and would cost more
+#: (a helper process per bind) than the few writes it saves.
+SCRATCH_LEFT = frozenset({"__pycache__"})
 _GLOB = "*?[\\"
 _MS_BIND = 4096
 # A probe deep inside a candidate: the whole tree must be in scope, not only its top.
@@ -231,13 +239,19 @@ class MidRunRules:
     written natively: uncounted, unseen, not rolled back. The mount is still reachable by a
     descriptor of the tree opened before the bind; natively, the kernel refuses these moves
     itself (EXDEV, EBUSY). At most MAX_TREES candidates are judged during a run (each may
-    cost a helper process): the agent cannot make the guard fork without end."""
+    cost a helper process): the agent cannot make the guard fork without end.
 
-    def __init__(self, manifest: Manifest, workspace: Path, planned: list[str]) -> None:
+    A new root of the scratch layer (*scratch*, the run's RUN_DIR/scratch) is judged by
+    :meth:`scratch_refusal` instead: everything below a root lives in scratch, so there is
+    no scope to check, and the bind's source is the scratch directory."""
+
+    def __init__(self, manifest: Manifest, workspace: Path, planned: list[str], scratch: Path | None = None) -> None:
         self.root = workspace.resolve()
+        self.scratch = scratch
         self.manifest = manifest
         self.anchored, self.names = _literal(list(getattr(manifest.paths, "generated", [])))
         self.trees = list(planned)  # bound, at the start or since
+        self.scratch_trees: list[str] = []  # those of them bound from the scratch layer
         self._seen = set(planned)  # every candidate queued: judged once; none looked for below one
         self._limit = len(self._seen) + MAX_TREES  # candidates judged at most, the start's included
         self.pinned = set(planned)  # bound or about to be: nothing moves across their edges
@@ -248,10 +262,13 @@ class MidRunRules:
         """Whether no more candidates are judged in this run (MAX_TREES were)."""
         return len(self._seen) >= self._limit
 
-    def candidate(self, path: str) -> bool:
-        """Whether *path* names a native tree not seen before (cheap: called in the FUSE loop)."""
+    def candidate(self, path: str, scratch: bool = False) -> bool:
+        """Whether *path* (a new root of the scratch layer with *scratch*) names a native tree
+        not seen before (cheap: called in the FUSE loop)."""
         name = path.rpartition("/")[2]
         if path not in self.anchored and (name not in self.names or path.count("/") >= MAX_DEPTH):
+            return False
+        if scratch and (self.scratch is None or name in SCRATCH_LEFT):
             return False
         if path in self._seen or any(path.startswith(seen + "/") for seen in self._seen) or self.full:
             return False
@@ -298,6 +315,30 @@ class MidRunRules:
         except OSError as err:  # removed since
             return f"{path}: {err.strerror}"
         if _masks(self.root, path, self.manifest, 0) == (None, None):
+            return f"{path}: forbidden paths are already inside; it stays behind the mount"
+        return None
+
+    def scratch_refusal(self, path: str) -> str | None:
+        """Why the scratch root *path* (RUN_DIR/scratch/*path*) may not be bound, or None when
+        it may. Reads the disk (a thread)."""
+        assert self.scratch is not None  # candidate() admits no scratch root without it
+        if len(self.trees) >= MAX_TREES:
+            return f"{path}: more than {MAX_TREES} generated trees; it stays behind the mount"
+        parts = path.split("/")
+        if ".git" in parts or parts[0] == GUARD_DIR:
+            return f"{path}: inside a repository's .git/ or the guard's own files"
+        try:
+            # The workspace's parents are what the agent walks to the tree; the scratch copies
+            # of them (plain directories the layer made) are what the bind's source lies beneath.
+            head = path.rpartition("/")[0]
+            for base, within in ((self.root, head), (self.scratch, path)):
+                if within and (link := _symlinked_parent(base, within)) is not None:
+                    return f"{path}: {link} is a symlink; it stays behind the mount"
+            if (self.scratch / path).lstat().st_dev != self.scratch.stat().st_dev:
+                return f"{path}: another filesystem is mounted there"
+        except OSError as err:  # removed since
+            return f"{path}: {err.strerror}"
+        if _masks(self.scratch, path, self.manifest, 0) == (None, None):
             return f"{path}: forbidden paths are already inside; it stays behind the mount"
         return None
 

@@ -162,7 +162,8 @@ def run(opts: RunOptions) -> int:
             unmount()
     finally:
         if outcome.binder is not None:
-            _strip_set_id(opts, outcome.binder.rules.trees, events)
+            rules = outcome.binder.rules  # the scratch layer's trees never reach the host: removed with it
+            _strip_set_id(opts, [t for t in rules.trees if t not in rules.scratch_trees], events)
         session.close()
         events.close()
         lane_stage.cleanup()
@@ -424,8 +425,9 @@ def _midrun_binder(opts: RunOptions, bwrap: str | None, private: bool, events: E
     guard with a private mount namespace (root) can; an unprivileged one says so once."""
     if not opts.manifest.sandbox.native_generated or bwrap is None:
         return None
-    return MidRunBinder(MidRunRules(opts.manifest, opts.workspace, planned), str(opts.workspace), events, _say,
-                        enabled=private)
+    # RUN_DIR/scratch: where sandbox.session puts the scratch layer (generated output out of scope).
+    rules = MidRunRules(opts.manifest, opts.workspace, planned, scratch=opts.run_dir / "scratch")
+    return MidRunBinder(rules, str(opts.workspace), events, _say, enabled=private)
 
 
 def _strip_set_id(opts: RunOptions, trees: list[str], events: EventLog) -> None:
