@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from sandbox.launch.native import MidRunRules
 from sandbox.launch.supervisor import ProcessTree
 
 from .helpers import run_events
+from .hostile import WAIT_MOUNTED
 from .test_run import guard_run
 
 MIDRUN = """
@@ -36,21 +38,12 @@ forbidden = [".env*"]
 max_files = 1
 """
 
-# Inside the sandbox: wait, with a bound, until a tree is a mount of its own.
-PRELUDE = """
-    import json, os, subprocess, time
-    def mounted(path):
-        return any(line.split()[4] == os.path.abspath(path) for line in open("/proc/self/mountinfo"))
-    def wait_mounted(path):
-        deadline = time.monotonic() + 20
-        while not mounted(path):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
-    def fstype(path):
-        return subprocess.run(["stat", "-f", "-c", "%T", path], capture_output=True, text=True).stdout.strip()
-"""
+# Inside the sandbox (indented as the scripts below are): wait, with a bound, until a tree is a
+# mount of its own, and name the filesystem a path is on.
+PRELUDE = textwrap.indent("import json, os, subprocess, time" + WAIT_MOUNTED + """
+def fstype(path):
+    return subprocess.run(["stat", "-f", "-c", "%T", path], capture_output=True, text=True).stdout.strip()
+""", "    ")
 
 
 def workspace(tmp_path: Path) -> tuple[Path, Path]:
