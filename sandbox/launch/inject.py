@@ -61,7 +61,7 @@ BIND_TIMEOUT = 30.0
 # System call numbers (Python 3.11 has no wrappers), the same on every architecture since the
 # tables were unified (alpha aside): open_tree 428, move_mount 429, openat2 437.
 _HELPER = r"""
-import ctypes, os, sys
+import ctypes, errno, os, sys, time
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
 
@@ -80,7 +80,16 @@ check(libc.setns(namespace, 0x20000), "setns into the sandbox's mount namespace"
 root = os.open(workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
 # RESOLVE_NO_XDEV | NO_MAGICLINKS | NO_SYMLINKS | BENEATH: the directory in the mount, nowhere else.
 how = OpenHow(os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, 0x0F)
-target = check(libc.syscall(437, root, path.encode(), ctypes.byref(how), ctypes.sizeof(how)), f"opening {path}")
+# The agent's mkdir looked the name up first, and the mount answers an absent name with a
+# cached negative entry; until the mkdir's caller runs again and turns that entry into the new
+# directory (on a busy machine, well after our reply), a lookup here finds it still absent.
+# The mkdir has been answered: wait for it, a bounded while.
+for _ in range(100):
+    target = libc.syscall(437, root, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
+    if target >= 0 or ctypes.get_errno() != errno.ENOENT:
+        break
+    time.sleep(0.02)
+target = check(target, f"opening {path}")
 if os.fstat(target).st_ino != ino:
     sys.exit(f"{path} was replaced before the bind")
 # MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH: both ends are the fds.
