@@ -206,3 +206,48 @@ def test_a_tree_made_from_a_namespace_of_the_agents_own_is_bound_in_the_sandboxs
     inner_ns, inner_mounts = seen["inner"]
     assert inner_ns != seen["outer ns"] and inner_mounts == "0", (seen, proc.stderr[-2000:])
     assert seen["bound outside"] is True, seen
+
+
+# ----- directory removals handed to the guard -----------------------------------------------------
+
+REMOVALS = r'''
+import ctypes, mmap
+libc = ctypes.CDLL(None, use_errno=True)
+def rmdir_at(address):
+    if libc.rmdir(ctypes.c_void_p(address)) != 0:
+        raise OSError(ctypes.get_errno(), "rmdir")
+    return 0
+os.mkdir("src/checkout/build")
+attempt("bound", lambda: wait_mounted("src/checkout/build"))
+# The removal's path lives in a page of a file of the guard's own mount, not read yet: reading
+# it, the guard faults into the mount it serves itself.
+with open("src/checkout/tax.py", "wb") as f:
+    f.write(b"src/checkout/build\0")
+held = open("src/checkout/tax.py", "r+b")
+page = mmap.mmap(held.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+attempt("removed by a mapped path", lambda: rmdir_at(ctypes.addressof(ctypes.c_char.from_buffer(page))))
+attempt("gone", lambda: not os.path.exists("src/checkout/build"))
+# A path the guard cannot read at all: the removal goes on, and the kernel answers as it would.
+attempt("unreadable path", lambda: rmdir_at(8))
+# Nothing of the filter is the agent's: neither its listener nor the socket that brought it.
+attempt("descriptors", lambda: [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")])
+'''
+
+
+@pytest.mark.parametrize("user", [None, "nobody"])
+def test_a_removal_whose_path_the_guard_must_read_through_its_own_mount(tmp_path: Path, user: str | None) -> None:
+    """Every directory removal waits for the guard, which reads its path from the agent's
+    memory (sandbox.launch.seccomp). A path in a page of a file of the mount would deadlock a
+    guard reading it on the loop that serves the mount; one it cannot read must not stop the
+    removal. The emptied tree is given back to the mount and removed."""
+    ws = hostile_workspace(tmp_path)
+    seen, events, proc = _guard_run(tmp_path, ws, user, REMOVALS, FIX_TAX)
+    assert seen.get("bound") is True, (seen, proc.stderr[-2000:])
+    assert seen["removed by a mapped path"] == 0, seen
+    assert seen["gone"] is True
+    assert seen["unreadable path"] == "EFAULT"
+    assert not [fd for fd in seen["descriptors"] if fd.startswith("socket:") or "seccomp" in fd], seen
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not (ws / "src/checkout/build").exists()
+    assert [e["path"] for e in events if e["op"] == "native" and e.get("unbound")] == ["src/checkout/build"]
+    assert [e for e in events if e["decision"] == "deny"] == []

@@ -284,3 +284,64 @@ def test_a_tree_made_during_the_run_of_an_agent_of_another_user(tmp_path: Path) 
     assert not fs.startswith("fuse"), run.stderr
     assert (ws / ".venv/new.txt").read_text() == "new\n"
     assert os.stat(ws / ".venv/new.txt").st_uid == 65534
+
+
+
+REMOVED = PRELUDE + """
+    import errno
+    out = {}
+    os.mkdir(".venv")
+    out["bound"] = wait_mounted(".venv")
+    os.makedirs(".venv/lib/pkg")
+    with open(".venv/lib/pkg/mod.py", "w") as f:
+        f.write("x = 1\\n")
+    try:  # not empty: still a mount point, and the kernel says so
+        os.rmdir(".venv")
+    except OSError as err:
+        out["rmdir full"] = errno.errorcode[err.errno]
+    out["start tree bound"] = mounted("src/checkout/node_modules")
+    # What an agent runs to start afresh: the shell's rm, then the tree made again; for a tree
+    # made during the run and for one bound at the start.
+    rm = subprocess.run("rm -rf .venv src/checkout/node_modules && mkdir .venv && echo made", shell=True,
+                        capture_output=True, text=True)
+    out["rm"] = [rm.returncode, rm.stdout, rm.stderr]
+    out["start tree gone"] = not os.path.exists("src/checkout/node_modules")
+    out["rebound"] = wait_mounted(".venv")
+    with open(".venv/again.txt", "w") as f:
+        f.write("the second tree\\n")
+    out["fs"] = fstype(".venv")
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_rm_rf_of_a_bound_tree_removes_it_and_a_tree_made_again_is_bound_again(tmp_path: Path) -> None:
+    """A bound tree is a mount point in the sandbox, which the kernel will not remove (EBUSY):
+    the guard gives an emptied one back to the mount as its removal comes (sandbox.launch.seccomp),
+    so ``rm -rf .venv && ...`` works as natively, for trees bound during the run and at the start."""
+    ws, manifest = workspace(tmp_path)
+    (ws / "src/checkout/node_modules/dep").mkdir(parents=True)
+    (ws / "src/checkout/node_modules/dep/index.js").write_text("module.exports = 1\n")
+    run = guard_run(manifest, ws, tmp_path / "run", REMOVED, "--ci")
+    assert run.returncode == 0, run.stderr
+    out = json.loads((tmp_path / "run/stdout.log").read_text())
+    assert out["bound"] is True and out["start tree bound"] is True, run.stderr
+    assert out["rmdir full"] == "EBUSY"
+    assert out["rm"] == [0, "made\n", ""], run.stderr
+    assert out["start tree gone"] is True
+    assert out["rebound"] is True and not out["fs"].startswith("fuse"), run.stderr
+    # The real workspace: the first tree gone with everything in it, the second one's file there.
+    assert sorted(p.name for p in (ws / ".venv").iterdir()) == ["again.txt"]
+    assert (ws / ".venv/again.txt").read_text() == "the second tree\n"
+    assert not (ws / "src/checkout/node_modules").exists()
+    for tree in (".venv", "src/checkout/node_modules"):
+        assert (f"generated tree {tree} emptied and removed by the agent: behind the mount again (bound again if "
+                "made again)") in run.stderr
+    native_events = [e for e in run_events(tmp_path / "run") if e["op"] == "native"]
+    assert [(e["path"], e.get("during_run"), e.get("unbound")) for e in native_events] == [
+        ("", None, None), (".venv", True, None), (".venv", None, True), ("src/checkout/node_modules", None, True),
+        (".venv", True, None)]
+    book = ledger(tmp_path / "run")
+    assert book["trips"] == []
+    assert book["files"]["distinct"] == 0

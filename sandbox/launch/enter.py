@@ -1,9 +1,10 @@
-"""The last step into the sandbox: Landlock and no_new_privs, then exec the agent.
+"""The last step into the sandbox: Landlock and no_new_privs, the filter that hands
+directory removals to the guard (:mod:`sandbox.launch.seccomp`), then exec the agent.
 
 Run by ``guard run`` as the command inside bubblewrap (bubblewrap itself needs to mount,
 which a Landlock-restricted process may not):
 
-    python -m sandbox.launch.enter --write /workspace --write /tmp -- CMD ARGS...
+    python -m sandbox.launch.enter --write /workspace --write /tmp [--removals FD] -- CMD ARGS...
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ import os
 import sys
 
 from sandbox.launch.landlock import LandlockUnavailable, restrict_writes
+from sandbox.launch.seccomp import hand_over
 
 
 def main(argv: list[str] | None = None) -> int:
     """Restrict, then exec; returns only on failure (exit 69 or 127)."""
     parser = argparse.ArgumentParser(prog="guard-enter")
     parser.add_argument("--write", action="append", default=[], help="a directory writes may land beneath")
+    parser.add_argument("--removals", type=int, metavar="FD",
+                        help="a socket to send the guard the listener of a filter on directory removals")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -31,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"guard: refusing to start the agent: {err.strerror}; pass --no-isolation to run without "
               "(then nothing but the mount's own rules stops writes outside the workspace)", file=sys.stderr)
         return 69
+    if args.removals is not None:
+        hand_over(args.removals)  # after no_new_privs, which a filter needs; never fails the start
     try:
         os.execvp(command[0], command)  # noqa: S606 - exec'ing the agent is this module's job
     except OSError as err:

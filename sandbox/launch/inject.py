@@ -27,6 +27,14 @@ Nothing written before the bind lands is lost or doubled: the mount wrote it int
 real directory that is then bound, so it is there, once, on both sides of the bind; a file
 opened through the mount before the bind keeps writing into that same file.
 
+A bound tree the agent empties and removes (``rm -rf .venv``) would fail on the directory
+itself: the kernel never removes a mount point (EBUSY). :meth:`MidRunBinder.watch_removals`
+gives such a tree back to the mount just before its removal goes on (see
+:mod:`sandbox.launch.seccomp`): a helper enters the sandbox's namespace the same way and
+detaches the bind, from inside it (``umount2(".", MNT_DETACH)``), once it has checked the
+directory there is the tree's, by device and inode. Trees bound at the start are given back
+the same way.
+
 This needs a root guard (its private mount namespace, and the right to enter the sandbox's);
 an unprivileged guard leaves such trees to the mount, and says so once. A failed bind is
 said (``guard: ...``) and the tree stays behind the mount: it is a speed-up, never a reason
@@ -38,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import socket
 import stat
 import sys
 from collections.abc import Callable
@@ -50,17 +59,21 @@ from guardfs.backing import openat2
 from guardfs.events import EventLog
 from guardfs.scratch import SCRATCH_INO
 from sandbox.launch.native import MAX_TREES, MidRunRules
+from sandbox.launch.seccomp import Listener, Removal, receive_listener
 from sandbox.launch.supervisor import ProcessTree
 
-__all__ = ["MidRunBinder"]
+__all__ = ["MidRunBinder", "may_name"]
 
 #: How long a bind may take (its lookups go through the mount, which may be busy).
 BIND_TIMEOUT = 30.0
+#: How long reading the path of a directory removal from the agent's memory may take.
+READ_TIMEOUT = 2.0
 
-# The helper, run as `python -I -S -c HELPER <source fd> <namespace fd> <workspace> <path> <inode>`.
-# System call numbers (Python 3.11 has no wrappers), the same on every architecture since the
-# tables were unified (alpha aside): open_tree 428, move_mount 429, openat2 437.
-_HELPER = r"""
+# The helpers' common start. System call numbers (Python 3.11 has no wrappers), the same on
+# every architecture since the tables were unified (alpha aside): open_tree 428, move_mount
+# 429, openat2 437. RESOLVE_NO_MAGICLINKS | NO_SYMLINKS | BENEATH: beneath the workspace,
+# never through a symlink.
+_PRELUDE = r"""
 import ctypes, errno, os, sys, time
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
@@ -73,19 +86,28 @@ def check(ret, what):
 class OpenHow(ctypes.Structure):
     _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64))
 
+def enter(namespace, workspace):
+    check(libc.setns(namespace, 0x20000), "setns into the sandbox's mount namespace")  # CLONE_NEWNS
+    return os.open(workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+def beneath(root, path, resolve):
+    how = OpenHow(os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, resolve)
+    return libc.syscall(437, root, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
+"""
+
+# Binds: `python -I -S -c _BIND <source fd> <namespace fd> <workspace> <path> <inode>`.
+_BIND = _PRELUDE + r"""
 source, namespace, workspace, path, ino = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:5], int(sys.argv[5])
 # OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_EMPTY_PATH: a detached copy of the directory's mount.
 tree = check(libc.syscall(428, source, b"", 0x1 | os.O_CLOEXEC | 0x1000), "open_tree")
-check(libc.setns(namespace, 0x20000), "setns into the sandbox's mount namespace")  # CLONE_NEWNS
-root = os.open(workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-# RESOLVE_NO_XDEV | NO_MAGICLINKS | NO_SYMLINKS | BENEATH: the directory in the mount, nowhere else.
-how = OpenHow(os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, 0x0F)
+root = enter(namespace, workspace)
 # The agent's mkdir looked the name up first, and the mount answers an absent name with a
 # cached negative entry; until the mkdir's caller runs again and turns that entry into the new
 # directory (on a busy machine, well after our reply), a lookup here finds it still absent.
-# The mkdir has been answered: wait for it, a bounded while.
+# The mkdir has been answered: wait for it, a bounded while. RESOLVE_NO_XDEV too: the
+# directory in the mount, nowhere else.
 for _ in range(100):
-    target = libc.syscall(437, root, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
+    target = beneath(root, path, 0x0F)
     if target >= 0 or ctypes.get_errno() != errno.ENOENT:
         break
     time.sleep(0.02)
@@ -94,6 +116,21 @@ if os.fstat(target).st_ino != ino:
     sys.exit(f"{path} was replaced before the bind")
 # MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH: both ends are the fds.
 check(libc.syscall(429, tree, b"", target, b"", 0x04 | 0x40), "move_mount")
+"""
+
+# Unbinds: `python -I -S -c _UNBIND <namespace fd> <workspace> <path> <device> <inode>`.
+_UNBIND = _PRELUDE + r"""
+namespace, workspace, path, dev, ino = int(sys.argv[1]), *sys.argv[2:4], int(sys.argv[4]), int(sys.argv[5])
+root = enter(namespace, workspace)
+# Into the bind (no RESOLVE_NO_XDEV): its root is the real directory, device and inode.
+target = check(beneath(root, path, 0x0E), f"opening {path}")
+st = os.fstat(target)
+if (st.st_dev, st.st_ino) != (dev, ino):
+    sys.exit(f"{path} is no longer the bound tree")
+# The mount whose root the fd is, and no other (the sandbox's /proc is not this pid's: no
+# /proc/self/fd path): from inside it, lazily (MNT_DETACH), as a process may stand in it.
+os.fchdir(target)
+check(libc.umount2(b".", 2), "umount")
 """
 
 
@@ -117,6 +154,7 @@ class MidRunBinder:
         self._namespace: int | None = None
         self._said = False
         self._said_full = False
+        self._reader = trio.CapacityLimiter(1)  # reads of removals' paths (see _path)
 
     def created(self, path: str, ino: int) -> None:
         """The mount made directory *path* (inode *ino*), in scope and generated, or a new root
@@ -172,18 +210,8 @@ class MidRunBinder:
             if st.st_ino != (ino if scratch is None else ino - SCRATCH_INO) or not stat.S_ISDIR(st.st_mode):
                 self.rules.unpin(path)
                 return  # removed and made again since: not this tree
-            if self._namespace is None:
-                self._namespace = _sandbox_namespace(tree)
-            argv = [sys.executable, "-I", "-S", "-c", _HELPER, str(source), str(self._namespace), self.seen_as,
-                    path, str(ino)]
-            with trio.move_on_after(BIND_TIMEOUT) as waited:
-                done = await trio.run_process(argv, pass_fds=(source, self._namespace), capture_stderr=True,
-                                              check=False)
-            if waited.cancelled_caught:
-                raise OSError(f"no answer within {BIND_TIMEOUT:.0f} s")
-            if done.returncode != 0:
-                said = done.stderr.decode(errors="replace").strip().splitlines()
-                raise OSError(said[-1] if said else f"the helper exited with {done.returncode}")
+            namespace = self._sandbox(tree)
+            await _helper(_BIND, [source, namespace, self.seen_as, path, ino], (source, namespace))
         except OSError as err:
             self.say(f"generated tree {path} made during the run stays behind the mount: {err}")
             return
@@ -199,11 +227,116 @@ class MidRunBinder:
                          scratch=None if scratch is None else True)
 
 
-def _open_beneath(root: Path, path: str) -> int:
-    """An O_PATH fd of directory *path* beneath *root*, no symlink followed on the way."""
+    async def watch_removals(self, sock: socket.socket, tree: ProcessTree) -> None:
+        """Give a bound tree the agent empties and removes back to the mount, so that the
+        removal works as it would natively (:mod:`sandbox.launch.seccomp`): *sock* brings the
+        listener of the sandbox's filter on directory removals. For as long as the agent runs."""
+        with sock:
+            await trio.lowlevel.wait_readable(sock)
+            got = receive_listener(sock)
+        if isinstance(got, str):
+            self.say(f"directory removals not watched ({got}): removing a generated tree bound natively "
+                     "fails with EBUSY on the directory itself")
+            return
+        listener = Listener(got)
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(listener)
+                if listener.ended():
+                    return
+                removal = listener.receive()
+                if removal is None:
+                    continue  # its caller is gone
+                try:
+                    path = await self._path(listener, removal)
+                    for emptied in self._emptied(path) if path else ():
+                        # As a bind: finished and said even when the agent ends meanwhile.
+                        with trio.CancelScope(shield=True):
+                            await self._unbind(tree, emptied)
+                finally:
+                    listener.resume(removal)
+        finally:
+            listener.close()
+
+    async def _path(self, listener: Listener, removal: Removal) -> bytes | None:
+        """The path a removal names, read off the loop: the caller's memory may be a file of
+        our own mount, whose read this loop serves. One read at a time, for at most
+        READ_TIMEOUT (a page the agent never lets be read is its own removal's loss)."""
+        with trio.move_on_after(READ_TIMEOUT):
+            return await trio.to_thread.run_sync(listener.path, removal, limiter=self._reader,
+                                                 abandon_on_cancel=True)
+        return None
+
+    def _emptied(self, path: bytes) -> list[tuple[str, os.stat_result]]:
+        """The bound trees *path* may name that are empty now, each with its real directory's
+        status (:func:`may_name`). Cheap: most removals name no tree."""
+        found = []
+        for tree in self.rules.trees:
+            if not may_name(path, tree):
+                continue
+            base = self.rules.scratch if tree in self.rules.scratch_trees else self.rules.root
+            try:
+                fd = _open_beneath(base or self.rules.root, tree, os.O_RDONLY)
+            except OSError:
+                continue  # gone from the host's side: the kernel answers the agent as it will
+            try:
+                with os.scandir(fd) as entries:
+                    if next(entries, None) is None:
+                        found.append((tree, os.fstat(fd)))
+            finally:
+                os.close(fd)
+        return found
+
+    async def _unbind(self, tree: ProcessTree, emptied: tuple[str, os.stat_result]) -> None:
+        path, st = emptied
+        try:
+            namespace = self._sandbox(tree)
+            await _helper(_UNBIND, [namespace, self.seen_as, path, st.st_dev, st.st_ino], (namespace,))
+        except OSError as err:
+            self.say(f"generated tree {path} was emptied but stays bound (removing it fails with EBUSY): {err}")
+            return
+        self.rules.release(path)
+        self.say(f"generated tree {path} emptied and removed by the agent: behind the mount again "
+                 "(bound again if made again)")
+        self.events.emit("native", path, "allow", trees=[path], unbound=True)
+
+    def _sandbox(self, tree: ProcessTree) -> int:
+        """The sandbox's mount namespace, found once (an fd, held until the agent ends)."""
+        if self._namespace is None:
+            self._namespace = _sandbox_namespace(tree)
+        return self._namespace
+
+
+def may_name(path: bytes, tree: str) -> bool:
+    """Whether *path*, as the agent wrote it (relative to a directory we do not know), may
+    name the workspace's *tree*: their last components agree as far as both go, after the
+    path's last '.' or '..'."""
+    tail = [part for part in os.fsdecode(path).split("/") if part]
+    dots = [i for i, part in enumerate(tail) if part in (".", "..")]
+    tail = tail[dots[-1] + 1:] if dots else tail
+    parts = tree.split("/")
+    depth = min(len(parts), len(tail))
+    return depth > 0 and parts[-depth:] == tail[-depth:]
+
+
+async def _helper(code: str, args: list[str | int], fds: tuple[int, ...]) -> None:
+    """Run a helper (a single-threaded process: see the module's docstring) with *args*,
+    passing it *fds*; OSError with its last words when it fails, or past BIND_TIMEOUT."""
+    argv = [sys.executable, "-I", "-S", "-c", code, *map(str, args)]
+    with trio.move_on_after(BIND_TIMEOUT) as waited:
+        done = await trio.run_process(argv, pass_fds=fds, capture_stderr=True, check=False)
+    if waited.cancelled_caught:
+        raise OSError(f"no answer within {BIND_TIMEOUT:.0f} s")
+    if done.returncode != 0:
+        said = done.stderr.decode(errors="replace").strip().splitlines()
+        raise OSError(said[-1] if said else f"the helper exited with {done.returncode}")
+
+
+def _open_beneath(root: Path, path: str, flags: int = os.O_PATH) -> int:
+    """An fd (*flags*: O_PATH) of directory *path* beneath *root*, no symlink followed on the way."""
     root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        return openat2(root_fd, path, os.O_PATH | os.O_DIRECTORY)
+        return openat2(root_fd, path, flags | os.O_DIRECTORY)
     finally:
         os.close(root_fd)
 

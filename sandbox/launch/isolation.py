@@ -246,6 +246,7 @@ def bwrap_argv(
     masks: HostMasks | None = None,
     mask_file: str | None = None,
     network: str = "host",
+    removals_fd: int | None = None,
 ) -> list[str]:
     """The full command line that starts *command* isolated, in *cwd*.
 
@@ -256,7 +257,9 @@ def bwrap_argv(
     writable at ``GUARD_RUN_DIR/exec`` for ``guard exec``'s logs (the agent's user must be
     able to write it); *masks* are the host's trees and files the agent must not read
     (:func:`host_secrets`), files covered by *mask_file*, an empty mode-000 file;
-    *network* "none" gives the agent a network namespace of its own (loopback only).
+    *network* "none" gives the agent a network namespace of its own (loopback only);
+    *removals_fd* is a socket (inherited) over which the sandbox's entry step hands the guard
+    its filter on directory removals (:mod:`sandbox.launch.seccomp`).
     """
     hidden = list(masks.dirs) if masks else []
     cover: list[str] = []
@@ -304,6 +307,7 @@ def bwrap_argv(
         *(entry or [sys.executable, "-m", "sandbox.launch.enter"]),
         "--write", workspace, "--write", "/tmp", "--write", "/dev",
         *(f"--write={p}" for p in writable),
+        *([f"--removals={removals_fd}"] if removals_fd is not None else []),
         "--", *command,
     ]
     return argv

@@ -253,14 +253,14 @@ class MidRunRules:
         self.trees = list(planned)  # bound, at the start or since
         self.scratch_trees: list[str] = []  # those of them bound from the scratch layer
         self._seen = set(planned)  # every candidate queued: judged once; none looked for below one
-        self._limit = len(self._seen) + MAX_TREES  # candidates judged at most, the start's included
+        self._judged = 0  # candidates judged during the run: MAX_TREES at most
         self.pinned = set(planned)  # bound or about to be: nothing moves across their edges
         self._planner: _Planner | None = None  # built on the first candidate, off the FUSE loop's way
 
     @property
     def full(self) -> bool:
         """Whether no more candidates are judged in this run (MAX_TREES were)."""
-        return len(self._seen) >= self._limit
+        return self._judged >= MAX_TREES
 
     def candidate(self, path: str, scratch: bool = False) -> bool:
         """Whether *path* (a new root of the scratch layer with *scratch*) names a native tree
@@ -273,6 +273,7 @@ class MidRunRules:
         if path in self._seen or any(path.startswith(seen + "/") for seen in self._seen) or self.full:
             return False
         self._seen.add(path)
+        self._judged += 1
         return True
 
     def pin(self, path: str) -> None:
@@ -282,6 +283,15 @@ class MidRunRules:
     def unpin(self, path: str) -> None:
         """*path* will not be bound (judged not a native tree, or gone, before any bind)."""
         self.pinned.discard(path)
+
+    def release(self, path: str) -> None:
+        """The bound tree *path* was emptied and unbound (the agent removes it): behind the
+        mount again, and a directory made there again is a new candidate."""
+        self.trees.remove(path)
+        if path in self.scratch_trees:
+            self.scratch_trees.remove(path)
+        self.pinned.discard(path)
+        self._seen.discard(path)
 
     def crossing(self, src: str, dst: str) -> Verdict | None:
         """The refusal of a rename or hard link through the mount from *src* to *dst* that

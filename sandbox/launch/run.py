@@ -16,6 +16,7 @@ import os
 import pwd
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -295,7 +296,8 @@ def agent_environment(environ: dict[str, str], allowed: list[str]) -> dict[str, 
 
 
 def _agent_argv(
-    opts: RunOptions, bwrap: str | None, daemon: Daemon, pty: bool, mnt: Path, lane_args: list[str]
+    opts: RunOptions, bwrap: str | None, daemon: Daemon, pty: bool, mnt: Path, lane_args: list[str],
+    removals_fd: int | None = None,
 ) -> tuple[list[str], Path, dict[str, str]]:
     # An agent of another user gets an allowlist of the guard's (root's) environment; an agent
     # of the guard's own user, that user's environment as it started guard.
@@ -353,7 +355,7 @@ def _agent_argv(
         writable=[str(p) for p in _extra_writable(opts)] + ([str(state)] if state else []), pty=pty,
         entry=system_entry() if opts.user is not None else None, files=files, over_workspace=lane_args,
         exec_logs=str(exec_logs), masks=host_secrets(own_home, other_runs),
-        mask_file=str(mask_file), network=opts.manifest.sandbox.network,
+        mask_file=str(mask_file), network=opts.manifest.sandbox.network, removals_fd=removals_fd,
     )
     if opts.user is not None:
         pw = pwd.getpwnam(opts.user)
@@ -451,18 +453,20 @@ async def _run_agent(
 ) -> None:
     daemon = session.daemon
     use_pty = not opts.ci and os.isatty(0) and os.isatty(1)
-    argv, cwd, env = _agent_argv(opts, bwrap, daemon, use_pty, mnt, lane_args)
     echo = None if opts.ci else console()
     logs, cap = opts.run_dir, opts.manifest.sandbox.log_max_bytes
     # The spawner's thread forks the agent and outlives it: see Spawner for why no trio
     # worker thread may (bubblewrap's --die-with-parent is relative to the forking thread).
     with Spawner() as spawner, contextlib.ExitStack() as streams:
+        removals, fds = _removals_socket(outcome.binder, streams)
+        argv, cwd, env = _agent_argv(opts, bwrap, daemon, use_pty, mnt, lane_args, *fds)
         async with trio.open_nursery() as nursery:
             if use_pty:
                 master, slave = os.openpty()
                 _copy_winsize(0, slave)
                 try:
-                    proc = await spawner.popen(argv, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env)
+                    proc = await spawner.popen(argv, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env,
+                                               pass_fds=fds)
                 finally:
                     os.close(slave)
                 (logs / "stderr.log").touch()
@@ -474,7 +478,7 @@ async def _run_agent(
                 stderr, err_w = _pipe(streams)
                 try:
                     proc = await spawner.popen(argv, stdin=None if not opts.ci else subprocess.DEVNULL,
-                                               stdout=out_w, stderr=err_w, cwd=cwd, env=env)
+                                               stdout=out_w, stderr=err_w, cwd=cwd, env=env, pass_fds=fds)
                 finally:
                     os.close(out_w)
                     os.close(err_w)
@@ -485,7 +489,7 @@ async def _run_agent(
             tree = outcome.tree = ProcessTree(proc.pid)
             try:
                 async with trio.open_nursery() as watchers:
-                    _start_watchers(watchers, session, tree, opts, outcome)
+                    _start_watchers(watchers, session, tree, opts, outcome, removals)
                     with _raw_terminal(use_pty):
                         code = await wait_exit(proc)
                     outcome.status = 128 - code if code < 0 else code
@@ -502,14 +506,30 @@ async def _run_agent(
                 nursery.cancel_scope.cancel()  # the stdin forwarder never ends by itself
 
 
+def _removals_socket(binder: MidRunBinder | None, streams: contextlib.ExitStack
+                     ) -> tuple[tuple[socket.socket, socket.socket] | None, tuple[int, ...]]:
+    """The guard's and the sandbox's ends of the socket that brings the filter on directory
+    removals (sandbox.launch.seccomp), when a root guard binds generated trees natively, and
+    the fds to pass the sandbox."""
+    if binder is None or not binder.enabled:
+        return None, ()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    streams.callback(theirs.close)
+    streams.callback(ours.close)
+    return (ours, theirs), (theirs.fileno(),)
+
+
 def _start_watchers(watchers: trio.Nursery, session: Session, tree: ProcessTree, opts: RunOptions,
-                    outcome: _Outcome) -> None:
+                    outcome: _Outcome, removals: tuple[socket.socket, socket.socket] | None) -> None:
     """The tasks that live as long as the agent: the breaker's watcher, the signal handler,
-    and the binder of generated trees made during the run."""
+    and the binder of generated trees made during the run (with its watch on removals)."""
     watchers.start_soon(_watch, session, tree, opts, outcome)
     watchers.start_soon(_on_signals, tree, outcome)
     if outcome.binder is not None:
         watchers.start_soon(outcome.binder.serve, tree)
+        if removals is not None:
+            removals[1].close()  # the sandbox's end, held by its entry step now: EOF if it ends first
+            watchers.start_soon(outcome.binder.watch_removals, removals[0], tree)
 
 
 def _pipe(streams: contextlib.ExitStack) -> tuple[trio.lowlevel.FdStream, int]:
