@@ -155,6 +155,7 @@ class MidRunBinder:
         self._said = False
         self._said_full = False
         self._reader = trio.CapacityLimiter(1)  # reads of removals' paths (see _path)
+        self._trees = trio.Lock()  # held by a bind, or an unbind, from start to its note in rules.trees
 
     def created(self, path: str, ino: int) -> None:
         """The mount made directory *path* (inode *ino*), in scope and generated, or a new root
@@ -182,34 +183,50 @@ class MidRunBinder:
                 # A bind under way when the agent ends is finished and said (bounded by
                 # BIND_TIMEOUT): cancelled, its line and event would be lost with the bind done.
                 with trio.CancelScope(shield=True):
-                    await self._bind(tree, path, ino)
+                    async with self._trees:
+                        await self._bind(tree, path, ino)
         finally:
             if self._namespace is not None:
                 # Held, it would keep the sandbox's namespace alive, with the mount's bind in it.
                 os.close(self._namespace)
+                self._namespace = None
 
-    async def _bind(self, tree: ProcessTree, path: str, ino: int) -> None:
+    async def _bind(self, tree: ProcessTree, path: str, ino: int, tries: int = 3) -> None:
         # The mount's inode *ino* is what the sandbox sees (the helper checks it there); the
         # source must be the directory the mount made, in its layer, under its real number.
         scratch = self.rules.scratch if ino >= SCRATCH_INO else None
+        base = self.rules.root if scratch is None else scratch
         judge = self.rules.refusal if scratch is None else self.rules.scratch_refusal
         reason = await trio.to_thread.run_sync(judge, path)
-        if reason is not None:
+        if reason is not None and self._current(base, path, scratch) == ino:
             self.rules.unpin(path)  # never bound: moves across it are the mount's to judge again
             if reason:
                 self.say(f"generated tree left to the mount: {reason}")
             return
-        try:
-            source = _open_beneath(self.rules.root if scratch is None else scratch, path)
-        except OSError as err:
-            self.rules.unpin(path)
-            self.say(f"generated tree {path} made during the run stays behind the mount: {err}")
+        source: int | None = None
+        if reason is None:
+            try:
+                source = _open_beneath(base, path)  # a directory (O_DIRECTORY)
+            except FileNotFoundError:
+                pass
+            except OSError as err:
+                self.rules.unpin(path)
+                self.say(f"generated tree {path} made during the run stays behind the mount: {err}")
+                return
+        if source is not None and os.fstat(source).st_ino != (ino if scratch is None else ino - SCRATCH_INO):
+            os.close(source)
+            source = None
+        if source is None:
+            # Removed since, perhaps made again (whose mkdir found the name taken): that
+            # directory is the candidate now. Its removal waits for the lock we hold, so this
+            # settles at once; *tries* bounds it all the same.
+            now = self._current(base, path, scratch)
+            if now is None or tries == 0:
+                self.rules.forget(path)  # a directory made there from now on is a new candidate
+                return
+            await self._bind(tree, path, now, tries - 1)
             return
         try:
-            st = os.fstat(source)
-            if st.st_ino != (ino if scratch is None else ino - SCRATCH_INO) or not stat.S_ISDIR(st.st_mode):
-                self.rules.unpin(path)
-                return  # removed and made again since: not this tree
             namespace = self._sandbox(tree)
             await _helper(_BIND, [source, namespace, self.seen_as, path, ino], (source, namespace))
         except OSError as err:
@@ -249,10 +266,13 @@ class MidRunBinder:
                     continue  # its caller is gone
                 try:
                     path = await self._path(listener, removal)
-                    for emptied in self._emptied(path) if path else ():
-                        # As a bind: finished and said even when the agent ends meanwhile.
-                        with trio.CancelScope(shield=True):
-                            await self._unbind(tree, emptied)
+                    # After any bind under way: the agent may see a tree bound (and remove
+                    # it) before the binder has taken note of it. As a bind, finished and
+                    # said even when the agent ends meanwhile.
+                    with trio.CancelScope(shield=True):
+                        async with self._trees:
+                            for emptied in self._emptied(path) if path else ():
+                                await self._unbind(tree, emptied)
                 finally:
                     listener.resume(removal)
         finally:
@@ -299,6 +319,18 @@ class MidRunBinder:
         self.say(f"generated tree {path} emptied and removed by the agent: behind the mount again "
                  "(bound again if made again)")
         self.events.emit("native", path, "allow", trees=[path], unbound=True)
+
+    @staticmethod
+    def _current(base: Path, path: str, scratch: Path | None) -> int | None:
+        """The mount's inode of the directory at *path* now (in the scratch layer with
+        *scratch*), or None when there is none."""
+        try:
+            st = (base / path).lstat()
+        except OSError:
+            return None
+        if not stat.S_ISDIR(st.st_mode):
+            return None
+        return st.st_ino if scratch is None else st.st_ino + SCRATCH_INO
 
     def _sandbox(self, tree: ProcessTree) -> int:
         """The sandbox's mount namespace, found once (an fd, held until the agent ends)."""

@@ -284,14 +284,19 @@ class MidRunRules:
         """*path* will not be bound (judged not a native tree, or gone, before any bind)."""
         self.pinned.discard(path)
 
+    def forget(self, path: str) -> None:
+        """The candidate *path* was removed before its bind: a directory made there again is a
+        new candidate."""
+        self.unpin(path)
+        self._seen.discard(path)
+
     def release(self, path: str) -> None:
         """The bound tree *path* was emptied and unbound (the agent removes it): behind the
         mount again, and a directory made there again is a new candidate."""
         self.trees.remove(path)
         if path in self.scratch_trees:
             self.scratch_trees.remove(path)
-        self.pinned.discard(path)
-        self._seen.discard(path)
+        self.forget(path)
 
     def crossing(self, src: str, dst: str) -> Verdict | None:
         """The refusal of a rename or hard link through the mount from *src* to *dst* that
