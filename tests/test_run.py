@@ -476,6 +476,8 @@ def test_unprivileged_guard_run() -> None:
         os.chmod(base, 0o755)  # noqa: S103 - the other user must reach it
         pythonpath = _copy_installation(base / "lib")
         ws, manifest = workspace(base)
+        (ws / "src/checkout/node_modules/dep").mkdir(parents=True)  # a generated tree, bound natively
+        (ws / "src/checkout/node_modules/dep/index.js").write_text("module.exports = 1\n")
         subprocess.run(["chown", "-R", f"{UNPRIVILEGED}:{UNPRIVILEGED}", str(base)], check=True)
         user = ["setpriv", "--reuid", UNPRIVILEGED, "--regid", UNPRIVILEGED, "--clear-groups", UNPRIVILEGED_PYTHON]
         env = {**os.environ, "PYTHONPATH": pythonpath, "HOME": str(base)}
@@ -488,7 +490,7 @@ def test_unprivileged_guard_run() -> None:
             result = subprocess.run(
                 [*user, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest), "--run-dir", str(base / "run"),
                  "--", "sh", "-c", "echo '# ok' >> src/checkout/tax.py; echo x > README.md || echo refused; "
-                 "id -u; exit 3"],
+                 "id -u; rm -rf src/checkout/node_modules && echo removed; exit 3"],
                 cwd=ws, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, env=env,
             )
         assert stat.S_IMODE(os.stat("/dev/fuse").st_mode) == mode
@@ -497,7 +499,8 @@ def test_unprivileged_guard_run() -> None:
         assert (ws / "src/checkout/tax.py").read_text().endswith("# ok\n")
         assert (ws / "README.md").read_text() == "readme\n"
         log = (base / "run/stdout.log").read_text()
-        assert log.splitlines() == ["refused", UNPRIVILEGED], log
+        assert log.splitlines() == ["refused", UNPRIVILEGED, "removed"], (log, result.stderr)
+        assert not (ws / "src/checkout/node_modules").exists()
         assert "Read-only file system" in (base / "run/stderr.log").read_text()
         assert "unprivileged run" in result.stderr
         with open("/proc/self/mountinfo", encoding="utf-8") as f:

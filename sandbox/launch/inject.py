@@ -118,9 +118,12 @@ if os.fstat(target).st_ino != ino:
 check(libc.syscall(429, tree, b"", target, b"", 0x04 | 0x40), "move_mount")
 """
 
-# Unbinds: `python -I -S -c _UNBIND <namespace fd> <workspace> <path> <device> <inode>`.
+# Unbinds: `python -I -S -c _UNBIND <namespace fd> <workspace> <path> <device> <inode> <as owner: 0|1>`.
 _UNBIND = _PRELUDE + r"""
-namespace, workspace, path, dev, ino = int(sys.argv[1]), *sys.argv[2:4], int(sys.argv[4]), int(sys.argv[5])
+import fcntl
+namespace, workspace, path, dev, ino, owner = int(sys.argv[1]), *sys.argv[2:4], *map(int, sys.argv[4:7])
+if owner:  # first into the user namespace that owns the mount namespace (NS_GET_USERNS)
+    check(libc.setns(fcntl.ioctl(namespace, 0xB701), 0x10000000), "setns into the sandbox's user namespace")
 root = enter(namespace, workspace)
 # Into the bind (no RESOLVE_NO_XDEV): its root is the real directory, device and inode.
 target = check(beneath(root, path, 0x0E), f"opening {path}")
@@ -151,7 +154,7 @@ class MidRunBinder:
         self.say = say
         self.enabled = enabled
         self._send, self._queue = trio.open_memory_channel[tuple[str, int]](math.inf)  # at most one per candidate
-        self._namespace: int | None = None
+        self._namespace: int | None = None  # the sandbox's mount namespace
         self._said = False
         self._said_full = False
         self._reader = trio.CapacityLimiter(1)  # reads of removals' paths (see _path)
@@ -311,7 +314,10 @@ class MidRunBinder:
         path, st = emptied
         try:
             namespace = self._sandbox(tree)
-            await _helper(_UNBIND, [namespace, self.seen_as, path, st.st_dev, st.st_ino], (namespace,))
+            # An unprivileged guard enters the user namespace its bubblewrap made first (it has
+            # every capability there); root has them already.
+            owner = int(os.geteuid() != 0)
+            await _helper(_UNBIND, [namespace, self.seen_as, path, st.st_dev, st.st_ino, owner], (namespace,))
         except OSError as err:
             self.say(f"generated tree {path} was emptied but stays bound (removing it fails with EBUSY): {err}")
             return

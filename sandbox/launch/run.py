@@ -509,9 +509,9 @@ async def _run_agent(
 def _removals_socket(binder: MidRunBinder | None, streams: contextlib.ExitStack
                      ) -> tuple[tuple[socket.socket, socket.socket] | None, tuple[int, ...]]:
     """The guard's and the sandbox's ends of the socket that brings the filter on directory
-    removals (sandbox.launch.seccomp), when a root guard binds generated trees natively, and
-    the fds to pass the sandbox."""
-    if binder is None or not binder.enabled:
+    removals (sandbox.launch.seccomp), when generated trees are bound natively, and the fds
+    to pass the sandbox."""
+    if binder is None:
         return None, ()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     streams.callback(theirs.close)
