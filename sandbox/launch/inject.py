@@ -159,6 +159,7 @@ class MidRunBinder:
         self._said_full = False
         self._reader = trio.CapacityLimiter(1)  # reads of removals' paths (see _path)
         self._trees = trio.Lock()  # held by a bind, or an unbind, from start to its note in rules.trees
+        self._pending: dict[str, trio.Event] = {}  # candidates queued, set once judged (bound or not)
 
     def created(self, path: str, ino: int) -> None:
         """The mount made directory *path* (inode *ino*), in scope and generated, or a new root
@@ -172,6 +173,7 @@ class MidRunBinder:
             return
         if self.enabled:
             self.rules.pin(path)  # before the reply: nothing crosses its edge from now on
+            self._pending.setdefault(path, trio.Event())
             self._send.send_nowait((path, ino))
         elif not self._said:
             self._said = True
@@ -186,8 +188,12 @@ class MidRunBinder:
                 # A bind under way when the agent ends is finished and said (bounded by
                 # BIND_TIMEOUT): cancelled, its line and event would be lost with the bind done.
                 with trio.CancelScope(shield=True):
-                    async with self._trees:
-                        await self._bind(tree, path, ino)
+                    try:
+                        async with self._trees:
+                            await self._bind(tree, path, ino)
+                    finally:
+                        if (judged := self._pending.pop(path, None)) is not None:
+                            judged.set()
         finally:
             if self._namespace is not None:
                 # Held, it would keep the sandbox's namespace alive, with the mount's bind in it.
@@ -269,9 +275,12 @@ class MidRunBinder:
                     continue  # its caller is gone
                 try:
                     path = await self._path(listener, removal)
-                    # After any bind under way: the agent may see a tree bound (and remove
-                    # it) before the binder has taken note of it. As a bind, finished and
-                    # said even when the agent ends meanwhile.
+                    # A directory it may name that waits for its bind is bound first: let go
+                    # before, the removal could meet the bind landing. And after any bind under
+                    # way: the agent may see a tree bound (and remove it) before the binder has
+                    # taken note of it. As a bind, finished and said even when the agent ends.
+                    for waiting in [done for name, done in self._pending.items() if path and may_name(path, name)]:
+                        await waiting.wait()
                     with trio.CancelScope(shield=True):
                         async with self._trees:
                             for emptied in self._emptied(path) if path else ():
