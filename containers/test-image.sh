@@ -43,7 +43,14 @@ stamp() { say "$(date +%T) $*"; }
 mkdir -p "$CACHE"
 TMP=$(mktemp -d /var/tmp/guardfs-container.XXXXXX)
 cleanup() {
-    if [ -n "${DC_ID:-}" ]; then podman rm -f "$DC_ID" >/dev/null 2>&1 || true; fi
+    if [ -n "${DC_ID:-}" ]; then
+        local image
+        image=$(podman container inspect --format '{{.ImageName}}' "$DC_ID" 2>/dev/null || true)
+        podman rm -f "$DC_ID" >/dev/null 2>&1 || true
+        # The CLI's image for this workspace (the user's uid baked in): the workspace was this
+        # run's alone, so is the image; kept, one more would pile up in podman's store each run.
+        case "$image" in localhost/vsc-*-uid*) podman rmi "$image" >/dev/null 2>&1 || true ;; esac
+    fi
     rm -rf "$TMP"
 }
 trap cleanup EXIT
@@ -126,8 +133,13 @@ while IFS='=' read -r key value; do
 done < "$TMP/pip.env"
 stamp "building $IMAGE"
 start=$SECONDS
+previous=$(podman image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)
 if podman build --quiet --network host -f "$TMP/src/containers/Dockerfile" -t "$IMAGE" "${build[@]}" "$TMP/src" > "$TMP/build.log" 2>&1; then
     check image-build 0 ""
+    # The image this tag named before, now untagged: ours, and of no use to anyone.
+    if [ -n "$previous" ] && [ "$previous" != "$(podman image inspect --format '{{.Id}}' "$IMAGE")" ]; then
+        podman rmi "$previous" >/dev/null 2>&1 || true
+    fi
 else
     check image-build 1 "$(tail -c 800 "$TMP/build.log" | tr '\n' ' ')"
     exit 1
