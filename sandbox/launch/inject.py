@@ -274,21 +274,30 @@ class MidRunBinder:
                 if removal is None:
                     continue  # its caller is gone
                 try:
-                    path = await self._path(listener, removal)
-                    # A directory it may name that waits for its bind is bound first: let go
-                    # before, the removal could meet the bind landing. And after any bind under
-                    # way: the agent may see a tree bound (and remove it) before the binder has
-                    # taken note of it. As a bind, finished and said even when the agent ends.
-                    for waiting in [done for name, done in self._pending.items() if path and may_name(path, name)]:
-                        await waiting.wait()
-                    with trio.CancelScope(shield=True):
-                        async with self._trees:
-                            for emptied in self._emptied(path) if path else ():
-                                await self._unbind(tree, emptied)
+                    # Most removals meet no empty tree and no candidate waiting for its bind:
+                    # let go at once, without reading their path (a thread's round trip).
+                    if self._pending or self._emptied(None):
+                        await self._settle(listener, removal, tree)
                 finally:
                     listener.resume(removal)
         finally:
             listener.close()
+
+    async def _settle(self, listener: Listener, removal: Removal, tree: ProcessTree) -> None:
+        """Give the trees *removal* may name back to the mount, if emptied."""
+        path = await self._path(listener, removal)
+        if not path:
+            return
+        # A directory it may name that waits for its bind is bound first: let go before, the
+        # removal could meet the bind landing. And after any bind under way: the agent may see
+        # a tree bound (and remove it) before the binder has taken note of it. As a bind,
+        # finished and said even when the agent ends meanwhile.
+        for waiting in [done for name, done in self._pending.items() if may_name(path, name)]:
+            await waiting.wait()
+        with trio.CancelScope(shield=True):
+            async with self._trees:
+                for emptied in self._emptied(path):
+                    await self._unbind(tree, emptied)
 
     async def _path(self, listener: Listener, removal: Removal) -> bytes | None:
         """The path a removal names, read off the loop: the caller's memory may be a file of
@@ -299,12 +308,12 @@ class MidRunBinder:
                                                  abandon_on_cancel=True)
         return None
 
-    def _emptied(self, path: bytes) -> list[tuple[str, os.stat_result]]:
-        """The bound trees *path* may name that are empty now, each with its real directory's
-        status (:func:`may_name`). Cheap: most removals name no tree."""
+    def _emptied(self, path: bytes | None) -> list[tuple[str, os.stat_result]]:
+        """The bound trees *path* may name (:func:`may_name`; None: any) that are empty now,
+        each with its real directory's status. Cheap: a few system calls a tree."""
         found = []
         for tree in self.rules.trees:
-            if not may_name(path, tree):
+            if path is not None and not may_name(path, tree):
                 continue
             base = self.rules.scratch if tree in self.rules.scratch_trees else self.rules.root
             try:
