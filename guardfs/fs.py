@@ -224,6 +224,8 @@ class GuardFS(pyfuse3.Operations):
         self.on_generated_dir: Callable[[str, int], None] | None = None
         #: Asked of each rename and link (src, dst): a refusal when it crosses a natively bound tree.
         self.native_crossing: Callable[[str, str], Verdict | None] | None = None
+        #: Told of each directory the mount removed (its path); it must not wait.
+        self.on_removed_dir: Callable[[str], None] | None = None
         self.preimages = None if checkpoint_dir is None else PreImages(
             self.backing, checkpoint_dir, manifest.sandbox.checkpoint_max_bytes, events.emit,
             generated=self.policy.generated)
@@ -634,6 +636,8 @@ class GuardFS(pyfuse3.Operations):
             self._scratch.removed(path)
         self.backing.forget_dirs()
         self.gate.done(request)
+        if self.on_removed_dir is not None:
+            self.on_removed_dir(path)
 
     @_fuse_errors
     async def rename(

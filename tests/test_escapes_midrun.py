@@ -251,3 +251,90 @@ def test_a_removal_whose_path_the_guard_must_read_through_its_own_mount(tmp_path
     assert not (ws / "src/checkout/build").exists()
     assert [e["path"] for e in events if e["op"] == "native" and e.get("unbound")] == ["src/checkout/build"]
     assert [e for e in events if e["decision"] == "deny"] == []
+
+
+DECOY = r'''
+os.mkdir("src/checkout/build")
+attempt("bound", lambda: wait_mounted("src/checkout/build"))
+held = os.open("src/checkout/build", os.O_RDONLY | os.O_DIRECTORY)  # native: the bind's root
+# A removal that names the empty tree by its last component, elsewhere: the guard cannot tell
+# and gives the tree back to the mount, which the held descriptor still reaches natively.
+attempt("decoy", lambda: os.rmdir("build", dir_fd=os.open("/tmp", os.O_RDONLY)))
+attempt("unbound", lambda: not mounted("src/checkout/build"))
+attempt("carry", lambda: os.rename("src/checkout/late", "src/checkout/build/late"))
+attempt("read", lambda: os.read(os.open("late/env_hl", os.O_RDONLY, dir_fd=held), 100).decode())
+os.close(held)
+attempt("removed", lambda: os.rmdir("src/checkout/build"))  # now by the mount: the pin goes with it
+attempt("made again", lambda: os.mkdir("src/checkout/build"))
+attempt("bound again", lambda: wait_mounted("src/checkout/build"))
+'''
+
+
+@pytest.mark.parametrize("user", [None, "nobody"])
+def test_a_tree_given_back_to_the_mount_by_a_decoy_removal_stays_pinned(tmp_path: Path, user: str | None) -> None:
+    """Found by the hostile pass over removals: a tree unbound because a removal's path may
+    name it is still reached natively by a descriptor opened through the bind. Unpinned, the
+    mount let a directory holding a pre-run hard link of .env be moved in, read natively.
+    It stays pinned (EXDEV) until the mount removes it."""
+    ws = hostile_workspace(tmp_path)
+    (ws / "src/checkout/late").mkdir()
+    os.link(ws / ".env", ws / "src/checkout/late/env_hl")
+    if user is not None:
+        subprocess.run(["chown", "-R", "65534:65534", str(ws)], check=True)
+    seen, events, proc = _guard_run(tmp_path, ws, user, DECOY, FIX_TAX)
+    assert seen.get("bound") is True, (seen, proc.stderr[-2000:])
+    assert (seen["decoy"], seen["unbound"]) == ("ENOENT", True), seen
+    assert seen["carry"] == "EXDEV", seen
+    assert seen["read"] == "ENOENT", seen
+    assert (seen["removed"], seen["made again"], seen["bound again"]) == (None, None, True), seen
+    assert (ws / "src/checkout/late/env_hl").exists()  # nothing moved
+    assert [e["errno"] for e in events if e["decision"] == "deny"] == ["EXDEV"], events
+
+
+SETID_RACE = r'''
+import threading
+won = None
+for round_ in range(40):
+    if not os.path.isdir("src/checkout/build"):
+        os.mkdir("src/checkout/build")
+    if not wait_mounted("src/checkout/build"):
+        break
+    def writer(delay=0.002 * round_):  # natively, while the guard unbinds the tree it found empty
+        time.sleep(delay)
+        try:
+            fd = os.open("src/checkout/build/suid", os.O_WRONLY | os.O_CREAT, 0o755)
+            os.write(fd, b"#!/bin/sh\nid\n")
+            os.fchmod(fd, 0o6755)
+            os.close(fd)
+        except OSError:
+            pass
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        os.rmdir("src/checkout/build")
+    except OSError:
+        pass
+    thread.join()
+    there = os.path.exists("src/checkout/build/suid")
+    if there and not mounted("src/checkout/build"):
+        won = round_  # written natively, then the tree given back to the mount
+        break
+    if there:
+        os.unlink("src/checkout/build/suid")
+attempt("won", lambda: won)
+'''
+
+
+def test_a_set_id_file_written_as_a_tree_is_given_back_is_still_swept(tmp_path: Path) -> None:
+    """Found by the hostile pass: a file written natively between the guard's emptiness check
+    and its unbind stays in a tree no longer bound; the set-ID sweep at the end looked only at
+    bound trees, and a root program was left on the host. Released trees are swept too."""
+    ws = hostile_workspace(tmp_path)
+    seen, events, proc = _guard_run(tmp_path, ws, None, SETID_RACE, FIX_TAX)
+    assert "won" in seen, (seen, proc.stderr[-2000:])
+    left = ws / "src/checkout/build/suid"
+    if seen["won"] is not None:  # the race was won this time (the hostile pass won it on the 2nd round)
+        assert left.exists()
+        assert {e["path"] for e in events if e["op"] == "chmod"} >= {"src/checkout/build/suid"}
+    for path in ws.rglob("*"):
+        assert not path.lstat().st_mode & 0o6000 or path.is_dir(), path

@@ -57,6 +57,7 @@ import trio
 
 from guardfs.backing import openat2
 from guardfs.events import EventLog
+from guardfs.fs import GuardFS
 from guardfs.scratch import SCRATCH_INO
 from sandbox.launch.native import MAX_TREES, MidRunRules
 from sandbox.launch.seccomp import Listener, Removal, receive_listener
@@ -160,6 +161,12 @@ class MidRunBinder:
         self._reader = trio.CapacityLimiter(1)  # reads of removals' paths (see _path)
         self._trees = trio.Lock()  # held by a bind, or an unbind, from start to its note in rules.trees
         self._pending: dict[str, trio.Event] = {}  # candidates queued, set once judged (bound or not)
+
+    def attach(self, fs: GuardFS) -> None:
+        """Take the mount's hooks: directories it makes and removes, renames and links it judges."""
+        fs.on_generated_dir = self.created
+        fs.native_crossing = self.rules.crossing
+        fs.on_removed_dir = self.rules.removed
 
     def created(self, path: str, ino: int) -> None:
         """The mount made directory *path* (inode *ino*), in scope and generated, or a new root

@@ -251,7 +251,8 @@ class MidRunRules:
         self.manifest = manifest
         self.anchored, self.names = _literal(list(getattr(manifest.paths, "generated", [])))
         self.trees = list(planned)  # bound, at the start or since
-        self.scratch_trees: list[str] = []  # those of them bound from the scratch layer
+        self.scratch_trees: list[str] = []  # those of them bound from the scratch layer, ever
+        self.released: set[str] = set()  # unbound when emptied, not yet removed by the mount (release)
         self._seen = set(planned)  # every candidate queued: judged once; none looked for below one
         self._judged = 0  # candidates judged during the run: MAX_TREES at most
         self.pinned = set(planned)  # bound or about to be: nothing moves across their edges
@@ -291,12 +292,25 @@ class MidRunRules:
         self._seen.discard(path)
 
     def release(self, path: str) -> None:
-        """The bound tree *path* was emptied and unbound (the agent removes it): behind the
-        mount again, and a directory made there again is a new candidate."""
+        """The bound tree *path* was emptied and unbound (the agent removes it, or seems to:
+        the removal's path is only a hint): behind the mount again. Until the mount removes
+        the directory (:meth:`removed`) it stays pinned and is swept for set-ID at the end: a
+        descriptor opened through the bind still reaches it natively, and a file written
+        natively just before the unbind may be in it."""
         self.trees.remove(path)
-        if path in self.scratch_trees:
-            self.scratch_trees.remove(path)
-        self.forget(path)
+        self.released.add(path)
+
+    def removed(self, path: str) -> None:
+        """The mount removed directory *path*: a released tree is gone for good, and a
+        directory made there again is a new candidate. Cheap: called in the FUSE loop."""
+        if path in self.released:
+            self.released.discard(path)
+            self.forget(path)
+
+    def native_trees(self) -> list[str]:
+        """Every tree written natively in this run that may still be there: bound, or released
+        and not removed."""
+        return [*self.trees, *sorted(self.released - set(self.trees))]
 
     def crossing(self, src: str, dst: str) -> Verdict | None:
         """The refusal of a rename or hard link through the mount from *src* to *dst* that

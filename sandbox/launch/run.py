@@ -148,8 +148,7 @@ def run(opts: RunOptions) -> int:
     for notice in session.notices:
         _say(notice)
     if outcome.binder is not None:
-        session.fs.on_generated_dir = outcome.binder.created
-        session.fs.native_crossing = outcome.binder.rules.crossing
+        outcome.binder.attach(session.fs)
     breaker, accounting = session.breaker, session.accounting
     try:
         # No umask(0): the agent keeps the user's umask; the mount gives each node it creates
@@ -164,7 +163,7 @@ def run(opts: RunOptions) -> int:
     finally:
         if outcome.binder is not None:
             rules = outcome.binder.rules  # the scratch layer's trees never reach the host: removed with it
-            _strip_set_id(opts, [t for t in rules.trees if t not in rules.scratch_trees], events)
+            _strip_set_id(opts, [t for t in rules.native_trees() if t not in rules.scratch_trees], events)
         session.close()
         events.close()
         lane_stage.cleanup()
