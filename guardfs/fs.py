@@ -141,6 +141,8 @@ _Listing = list[tuple[str, os.stat_result | None, Classification]]
 #: Listings kept between the requests of one directory read without OPENDIR (the kernel reads
 #: a large directory in several; readers of other directories may come in between).
 _LISTINGS_KEPT = 64
+#: Listings start with "." and ".." (offsets 1 and 2); the directory's names follow.
+_DOTS = 2
 
 
 @dataclass(slots=True, eq=False)
@@ -451,10 +453,10 @@ class GuardFS(pyfuse3.Operations):
     @_fuse_errors
     async def getattr(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         """Attributes of a known inode."""
-        entry = self._entry(inode)
-        if entry.virtual:
-            return self.guard.attr(entry)
-        return self._attr(self._stat(entry), inode)
+        return self._entry_attr(self._entry(inode))
+
+    def _entry_attr(self, entry: Entry) -> pyfuse3.EntryAttributes:
+        return self.guard.attr(entry) if entry.virtual else self._attr(self._stat(entry), entry.ino)
 
     @_fuse_errors
     async def setattr(
@@ -881,26 +883,46 @@ class GuardFS(pyfuse3.Operations):
         their attributes (size, times) without a lookup, and the name itself can be a secret.
         """
         if fusereply.dirs_by_inode():  # no OPENDIR: the handle is the directory's inode
-            base, listing = self._listing_by_inode(pyfuse3.InodeT(fh), start_id)
+            directory = self._entry(pyfuse3.InodeT(fh))
+            base, listing = self._listing_by_inode(directory.ino, start_id)
         else:
             d = self._dirs[fh]
             if d.listing is None or start_id == 0:
                 d.listing = self.guard.listing() if d.entry.virtual else self._list(d.fd, d.entry)
-            base, listing = d.entry.path, d.listing
+            directory, base, listing = d.entry, d.entry.path, d.listing
+        # '.' and '..' first (offsets 1 and 2), as a local directory lists them. The kernel
+        # takes no reference for either from readdirplus: neither is remembered.
+        for i, (dot, attr) in enumerate(self._dots(directory) if start_id < _DOTS else ()):
+            if i >= start_id and not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(dot), attr, i + 1):
+                return
         inodes = self.inodes
-        for i in range(start_id, len(listing)):
+        for i in range(max(start_id, _DOTS) - _DOTS, len(listing)):
             name, st, where = listing[i]
             if st is None:  # the virtual STATE.md: permanent, not counted
                 attr = self.guard.attr(self.guard.file)
-                if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(os.fsencode(name)), attr, i + 1):
+                if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(os.fsencode(name)), attr, i + _DOTS + 1):
                     return
                 continue
             entry_ino = inodes.fuse_ino(st.st_ino)
-            if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(os.fsencode(name)), self._attr(st, entry_ino), i + 1):
+            if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(os.fsencode(name)), self._attr(st, entry_ino),
+                                         i + _DOTS + 1):
                 return
             inodes.remember(st.st_ino, st.st_mode, _join(base, name), where)
 
-    def _listing_by_inode(self, inode: pyfuse3.InodeT, start_id: int) -> tuple[str, _Listing]:
+    def _dots(self, directory: Entry) -> list[tuple[bytes, pyfuse3.EntryAttributes]]:
+        """'.' and '..' of *directory*, with their attributes (the root is its own parent)."""
+        here = self._entry_attr(directory)
+        if directory.ino == pyfuse3.ROOT_INODE:
+            return [(b".", here), (b"..", here)]
+        parent = "" if directory.virtual else directory.path.rpartition("/")[0]
+        if parent == "":
+            above = self._entry_attr(self._entry(pyfuse3.ROOT_INODE))
+        else:
+            st = self.backing.lstat(parent)
+            above = self._attr(st, self.inodes.fuse_ino(st.st_ino))
+        return [(b".", here), (b"..", above)]
+
+    def _listing_by_inode(self, inode: int, start_id: int) -> tuple[str, _Listing]:
         """The listing of directory *inode*, opened without OPENDIR: judged and taken afresh
         when the kernel starts from the top, kept (a few, the latest) for its next requests."""
         entry = self._entry(inode)

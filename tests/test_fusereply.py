@@ -103,3 +103,30 @@ def test_every_entry_point_loads_the_c_module_before_pyfuse3(entry: str) -> None
     code = f"import {entry}; import pyfuse3; from guardfs import fusereply; assert fusereply.loaded_first(), {entry!r}"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_listing_starts_with_dot_and_dot_dot_and_holds_no_reference_for_them(tmp_path: Path) -> None:
+    """As a local directory lists them, across the several requests a large directory takes;
+    readdirplus gives the kernel no reference for either, so the table keeps none."""
+    _tree(tmp_path)
+    many = tmp_path / "backing/src/checkout/many"
+    many.mkdir()
+    names = {f"{i:05d}-{'x' * 60}" for i in range(3000)}  # ~200 KiB of entries: many requests
+    for name in names:
+        (many / name).touch()
+    with guarded_mount(tmp_path) as g:
+        _warm(g)
+        here = os.stat(g.mnt / "src/checkout/many")
+        held = {e.path: e.lookups for e in g.fs.inodes if e.path in ("src/checkout", "src/checkout/many")}
+        for _ in range(2):  # from the filesystem, then from the kernel's cache
+            out = subprocess.run(["ls", "-a", "-f", "-i", str(g.mnt / "src/checkout/many")], capture_output=True,
+                                 text=True, check=True).stdout.split("\n")
+            listed = [line.split(maxsplit=1) for line in out if line]
+            assert [name for _, name in listed[:2]] == [".", ".."]
+            assert int(listed[0][0]) == here.st_ino
+            assert int(listed[1][0]) == os.stat(g.mnt / "src/checkout").st_ino
+            assert sorted(name for _, name in listed[2:]) == sorted(names)  # each once
+        assert {e.path: e.lookups for e in g.fs.inodes if e.path in held} == held
+        top = subprocess.run(["ls", "-a", "-f", str(g.mnt)], capture_output=True, text=True, check=True).stdout
+        assert top.split("\n")[:2] == [".", ".."]
+        assert sorted(os.listdir(g.mnt / "src/checkout")) == ["cart.py", "many", "tax.py"]  # no dots for Python
