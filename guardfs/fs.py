@@ -884,7 +884,7 @@ class GuardFS(pyfuse3.Operations):
         """
         if fusereply.dirs_by_inode():  # no OPENDIR: the handle is the directory's inode
             directory = self._entry(pyfuse3.InodeT(fh))
-            base, listing = self._listing_by_inode(directory.ino, start_id)
+            base, listing = directory.path, self._listing_by_inode(directory, start_id)
         else:
             d = self._dirs[fh]
             if d.listing is None or start_id == 0:
@@ -922,11 +922,10 @@ class GuardFS(pyfuse3.Operations):
             above = self._attr(st, self.inodes.fuse_ino(st.st_ino))
         return [(b".", here), (b"..", above)]
 
-    def _listing_by_inode(self, inode: int, start_id: int) -> tuple[str, _Listing]:
-        """The listing of directory *inode*, opened without OPENDIR: judged and taken afresh
+    def _listing_by_inode(self, entry: Entry, start_id: int) -> _Listing:
+        """The listing of directory *entry*, opened without OPENDIR: judged and taken afresh
         when the kernel starts from the top, kept (a few, the latest) for its next requests."""
-        entry = self._entry(inode)
-        listing = self._listings.pop(inode, None)
+        listing = self._listings.pop(entry.ino, None)
         if listing is None or start_id == 0:
             self._judge_listing(entry)
             if entry.virtual:
@@ -937,10 +936,10 @@ class GuardFS(pyfuse3.Operations):
                     listing = self._list(fd, entry)
                 finally:
                     os.close(fd)
-        self._listings[inode] = listing  # the most recent last
+        self._listings[entry.ino] = listing  # the most recent last
         if len(self._listings) > _LISTINGS_KEPT:
             del self._listings[next(iter(self._listings))]
-        return entry.path, listing
+        return listing
 
     def _list(self, fd: int, entry: Entry) -> _Listing:
         out: _Listing = []

@@ -269,7 +269,8 @@ class MidRunBinder:
             got = receive_listener(sock)
         if isinstance(got, str):
             self.say(f"directory removals not watched ({got}): removing a generated tree bound natively "
-                     "fails with EBUSY on the directory itself")
+                     "fails with EBUSY on the directory itself (empty it instead), or set "
+                     "[sandbox] native_generated = false to keep such trees behind the mount")
             return
         listener = Listener(got)
         try:
@@ -344,7 +345,8 @@ class MidRunBinder:
             owner = int(os.geteuid() != 0)
             await _helper(_UNBIND, [namespace, self.seen_as, path, st.st_dev, st.st_ino, owner], (namespace,))
         except OSError as err:
-            self.say(f"generated tree {path} was emptied but stays bound (removing it fails with EBUSY): {err}")
+            self.say(f"generated tree {path} was emptied but stays bound, so removing it fails with EBUSY ({err}); "
+                     "an empty tree serves as well as none, or set [sandbox] native_generated = false")
             return
         self.rules.release(path)
         self.say(f"generated tree {path} emptied and removed by the agent: behind the mount again "

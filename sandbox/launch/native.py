@@ -310,7 +310,7 @@ class MidRunRules:
     def native_trees(self) -> list[str]:
         """Every tree written natively in this run that may still be there: bound, or released
         and not removed."""
-        return [*self.trees, *sorted(self.released - set(self.trees))]
+        return [*self.trees, *sorted(self.released)]  # disjoint: a tree is bound again only once removed
 
     def crossing(self, src: str, dst: str) -> Verdict | None:
         """The refusal of a rename or hard link through the mount from *src* to *dst* that
