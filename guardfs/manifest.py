@@ -29,8 +29,9 @@ from guardfs.errors import ManifestError
 from guardfs.rules import RULES, Rule, default_recoverable
 
 __all__ = [
-    "DEFAULT_GENERATED", "RULES", "BreakerSettings", "Limits", "Manifest", "Paths", "Record", "Rule", "Task",
+    "DEFAULT_GENERATED", "DEFAULT_HOME_SECRETS", "DEFAULT_MANIFEST", "RULES", "BreakerSettings", "Limits", "Manifest", "Paths", "Record", "Rule", "Task",
     "load_manifest",
+    "outside_secrets",
     "parse_manifest",
 ]
 
@@ -101,6 +102,28 @@ DEFAULT_GENERATED: tuple[str, ...] = (
     # Rust (cargo) and Java (Maven: target/; Gradle: build/, .gradle/); build/ and dist/ of any tool
     "target/", ".gradle/", "*.class", "build/", "dist/",
 )
+
+
+#: Where ``guard init`` writes the manifest and where ``guard run`` and ``guard check`` look
+#: for it without ``--manifest``: this file at the workspace's top level (read-only to the agent).
+DEFAULT_MANIFEST = "guard.toml"
+
+#: The usual credential stores under the agent's home, relative to it: masked in every sandbox,
+#: whether or not ``guard run --user`` is given and whatever the manifest says (the README lists
+#: them). ``[paths] secret`` entries starting with ``~/`` or ``/`` add to them.
+DEFAULT_HOME_SECRETS: tuple[str, ...] = (
+    ".ssh", ".gnupg", ".password-store", ".aws", ".azure", ".config/gcloud", ".kube", ".docker/config.json",
+    ".netrc", ".git-credentials", ".config/gh/hosts.yml", ".npmrc", ".yarnrc.yml", ".pypirc",
+    ".cargo/credentials", ".cargo/credentials.toml", ".gem/credentials", ".m2/settings-security.xml",
+    ".terraform.d/credentials.tfrc.json", ".vault-token", ".boto", ".s3cfg", ".config/hub",
+)
+
+
+def outside_secrets(paths: Paths, home: str) -> list[str]:
+    """The absolute paths outside the workspace that the sandbox masks for an agent whose home is
+    *home*: :data:`DEFAULT_HOME_SECRETS` and the manifest's own ``~/`` and absolute secrets."""
+    del paths  # the manifest's own outside secrets come with [paths] secret
+    return [os.path.join(home, name) for name in DEFAULT_HOME_SECRETS]
 
 
 def _unlimited(value: object) -> object:
