@@ -119,7 +119,9 @@ def default_run_dir(task_id: str, base: Path | None = None) -> Path:
 
 
 def _say(text: str) -> None:
-    print(f"guard: {text}", file=sys.stderr, flush=True)
+    # A terminal in raw mode (an interactive agent's pty) does not return the carriage itself.
+    end = "\r\n" if sys.stderr.isatty() else "\n"
+    print(f"guard: {text}".replace("\n", end), file=sys.stderr, end=end, flush=True)
 
 
 def run(opts: RunOptions) -> int:
