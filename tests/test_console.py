@@ -22,7 +22,10 @@ from typing import IO
 import psutil
 import pytest
 
+from guardfs.accounting import WriteAccounting
+from guardfs.events import EventLog
 from guardfs.manifest import parse_manifest
+from sandbox.breaker import Breaker
 from sandbox.launch.console import BURST, LiveConsole
 from sandbox.launch.run import RunOptions, terminal_action
 
@@ -405,3 +408,24 @@ def _no_leftover_agents() -> Iterator[None]:
     yield
     wait_for(lambda: not [p for p in psutil.process_iter(["cmdline"]) if MARKER in " ".join(
         p.info["cmdline"] or [])], "no agent of these tests to be left")
+
+
+def test_a_hook_check_refused_is_counted_and_said_like_a_refused_operation(tmp_path: Path) -> None:
+    """An agent with hooks is refused before its tool runs: no FUSE request, but one denial,
+    with its path, in the same counts and on the same console."""
+    events = EventLog(None)
+    out = tmp_path / "console.txt"
+    with open(out, "w") as f:
+        events.watch(LiveConsole(f, tmp_path).on_event)
+        breaker = Breaker(parse_manifest(FIX_TAX, "guard.toml"), WriteAccounting(), now=time.monotonic,
+                          emit=events.emit)
+        assert not breaker.check("Write", ["README.md"]).allow  # out of scope: a recoverable trip
+        assert breaker.check("Read", ["README.md"], mutating=False).allow
+        assert not breaker.check("Write", ["NOTES.md"]).allow  # terminal
+        assert not breaker.check("Write", ["src/checkout/tax.py"]).allow  # refused while terminal
+    assert events.tally == {"denials": 3, "trips": 2}
+    assert [t["path"] for t in breaker.snapshot()["trips"]] == ["README.md", "NOTES.md"]
+    lines = out.read_text().splitlines()
+    assert lines[1].startswith("guard: denied Write call on README.md: README.md is outside the task's scope")
+    assert lines[-1] == ("guard: denied Write call on src/checkout/tax.py: breaker OPEN_SCOPE_SPILL: refused until "
+                         "guard approve or guard stop; the agent's hook was told so")
