@@ -756,7 +756,8 @@ def _summary(opts: RunOptions, breaker: Breaker, accounting: WriteAccounting, ev
         # The counts ledger.json, guard report and the CI summary show too (guardfs.events.tally_kind).
         f"  denials: {events.tally['denials']}; trips: {events.tally['trips']}" + (f" ({trips})" if trips else ""),
         *([f"  events dropped by the event log's caps: {dropped} "
-           f"({', '.join(f'{op} {n}' for op, n in sorted(events.dropped.items()))}); denials and trips all kept"]
+           f"({', '.join(f'{op} {n}' for op, n in sorted(events.dropped.items()))}); every denial counted, "
+           "every trip and violation kept"]
           if dropped else []),
         f"  tokens: {snap['tokens']['total']} in {snap['steps']} steps",
         f"  run directory: {opts.run_dir} (stdout.log, stderr.log, events.jsonl, ledger.json, STATE.md)",
