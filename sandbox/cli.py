@@ -117,7 +117,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--manifest", metavar="M", help="scope manifest (TOML); default: guard.toml at the "
                      "workspace's top level, as guard init writes it")
-    run.add_argument("--workspace", metavar="DIR", help="the workspace (default: the current directory)")
+    run.add_argument("--workspace", metavar="DIR", help="the workspace (default: the top level of the git "
+                     "repository the current directory is in, else the current directory; the agent starts "
+                     "in the current directory)")
     run.add_argument("--run-dir", metavar="D", help="run directory (default: a new one under "
                      "$XDG_STATE_HOME/guardfs/runs, or /var/lib/guardfs/runs with --user; printed at start)")
     run.add_argument("--ci", action="store_true", help="CI mode: a terminal trip stops the agent at "
@@ -321,7 +323,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise UsageError("no command given; put the agent's command after --: guard run [--manifest M] -- CMD ARGS...")
-    workspace = Path(os.path.realpath(args.workspace or os.getcwd()))
+    from sandbox.launch.workspace import workspace_for
+
+    workspace = workspace_for(Path.cwd(), args.workspace)  # the repository's top level, unless --workspace
     if not workspace.is_dir():
         raise UsageError(f"workspace {workspace} is not a directory; give the workspace with --workspace DIR")
     manifest = _run_manifest(args.manifest, workspace)
