@@ -76,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument("manifest", metavar="MANIFEST", help="path of the TOML manifest")
 
+    _add_init(sub)
+
     mount = sub.add_parser(
         "mount",
         help="serve a guarded mount of BACKING at MOUNTPOINT in the foreground",
@@ -212,6 +214,29 @@ def _parser() -> argparse.ArgumentParser:
     for verb in sub.choices.values():
         _accept_verbose(verb)
     return p
+
+
+def _add_init(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """The ``init`` verb's arguments."""
+    init = sub.add_parser(
+        "init",
+        help="write a commented guard.toml for a task, from what the repository holds",
+        description=(
+            "Write guard.toml at the top level of the repository the current directory is in (else the "
+            "current directory): the task (GOAL, an id derived from it), where the agent may write "
+            "(--allow), the secrets found there (.env files, keys, credentials; never read), the "
+            "protected paths present (CI workflows, migrations, lockfiles; read, never written) and the "
+            "generated trees of the ecosystems found, each section commented. Validated as guard check "
+            "validates; never replaces an existing guard.toml without --force. Then: guard run -- AGENT."
+        ),
+    )
+    init.add_argument("--allow", metavar="PATTERN", action="append", default=[],
+                      help="where the agent may write: a gitignore-style pattern relative to the repository's "
+                           "top level, like src/checkout/ (repeat for more; none: a read-only task)")
+    init.add_argument("--id", dest="task_id", metavar="ID", help="the task's id (default: from GOAL's words)")
+    init.add_argument("--force", action="store_true", help="replace an existing guard.toml")
+    init.add_argument("--workspace", metavar="DIR", help="the repository (default: as guard run finds it)")
+    init.add_argument("goal", metavar="GOAL", help="what the agent is to do, in a sentence")
 
 
 def _version() -> str:
@@ -515,6 +540,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             _refuse_nested(args.verb)
         if args.verb == "check":
             return _cmd_check(args)
+        if args.verb == "init":
+            from sandbox.init import InitOptions, init
+
+            return init(InitOptions(args.goal, args.allow, Path.cwd(), ident=args.task_id, force=args.force,
+                                    workspace=args.workspace))
         if args.verb == "demo":
             from sandbox.demo import run_demo
 
