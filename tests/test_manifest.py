@@ -35,7 +35,8 @@ def test_shipped_manifests_are_valid(path: Path, tmp_path: Path) -> None:
 def test_shipped_profiles_say_what_they_promise() -> None:
     checkout = load_manifest(MANIFESTS / "checkout-bugfix.toml")
     assert checkout.paths.allowed == ["src/checkout/", "tests/checkout/"]
-    assert {".env*", "src/auth/root_keys.ts", ".github/workflows/", "**/migrations/"} <= set(checkout.paths.forbidden)
+    assert {".env*", "src/auth/root_keys.ts"} <= set(checkout.paths.secret)
+    assert {".github/workflows/", "**/migrations/"} <= set(checkout.paths.protected)
     assert checkout.limits.max_files == 6
     assert load_manifest(MANIFESTS / "codemod-repo-wide.toml").limits.max_files is None
     review = load_manifest(MANIFESTS / "review-read-only.toml")
