@@ -98,32 +98,7 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_init(sub)
 
-    mount = sub.add_parser(
-        "mount",
-        help="serve a guarded mount of BACKING at MOUNTPOINT in the foreground",
-        description=(
-            "Mount BACKING at MOUNTPOINT through guardfs and serve until SIGINT/SIGTERM or an "
-            "external unmount (fusermount3 -u), then unmount and exit 0. Without --manifest "
-            "the mount is read-only except git's internals."
-        ),
-    )
-    mount.add_argument("--manifest", metavar="M", help="scope manifest (TOML)")
-    mount.add_argument(
-        "--run-dir", metavar="D",
-        help="run the breaker daemon: agent.sock, control.sock, ledger.json, STATE.md and "
-             "events.jsonl in D (created if missing)",
-    )
-    mount.add_argument("--events", metavar="FILE", help="append events as JSON lines to FILE "
-                       "(default with --run-dir: D/events.jsonl)")
-    mount.add_argument(
-        "--cache-timeout", metavar="S", type=float, default=60.0,
-        help="seconds the kernel may cache entries and attributes (default 60)",
-    )
-    mount.add_argument("--xattrs", action="store_true",
-                       help="keep extended attributes on the mount (default: off; the kernel then skips the "
-                            "security.capability lookup it sends before every write, and tools get EOPNOTSUPP)")
-    mount.add_argument("backing", metavar="BACKING", help="the real workspace directory")
-    mount.add_argument("mountpoint", metavar="MOUNTPOINT", help="where the guarded view appears")
+    _add_mount(sub)
 
     run = sub.add_parser(
         "run",
@@ -234,6 +209,36 @@ def _parser() -> argparse.ArgumentParser:
     for verb in sub.choices.values():
         _accept_verbose(verb)
     return p
+
+
+def _add_mount(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """The ``mount`` verb's arguments."""
+    mount = sub.add_parser(
+        "mount",
+        help="serve a guarded mount of BACKING at MOUNTPOINT in the foreground",
+        description=(
+            "Mount BACKING at MOUNTPOINT through guardfs and serve until SIGINT/SIGTERM or an "
+            "external unmount (fusermount3 -u), then unmount and exit 0. Without --manifest "
+            "the mount is read-only except git's internals."
+        ),
+    )
+    mount.add_argument("--manifest", metavar="M", help="scope manifest (TOML)")
+    mount.add_argument(
+        "--run-dir", metavar="D",
+        help="run the breaker daemon: agent.sock, control.sock, ledger.json, STATE.md and "
+             "events.jsonl in D (created if missing)",
+    )
+    mount.add_argument("--events", metavar="FILE", help="append events as JSON lines to FILE "
+                       "(default with --run-dir: D/events.jsonl)")
+    mount.add_argument(
+        "--cache-timeout", metavar="S", type=float, default=60.0,
+        help="seconds the kernel may cache entries and attributes (default 60)",
+    )
+    mount.add_argument("--xattrs", action="store_true",
+                       help="keep extended attributes on the mount (default: off; the kernel then skips the "
+                            "security.capability lookup it sends before every write, and tools get EOPNOTSUPP)")
+    mount.add_argument("backing", metavar="BACKING", help="the real workspace directory")
+    mount.add_argument("mountpoint", metavar="MOUNTPOINT", help="where the guarded view appears")
 
 
 def _add_init(sub: argparse._SubParsersAction[_Parser]) -> None:

@@ -33,8 +33,8 @@ from pathlib import Path
 import pathspec
 
 from guardfs.errors import CantCreateError, UsageError
+from guardfs.lint import lint
 from guardfs.manifest import DEFAULT_GENERATED, DEFAULT_MANIFEST, parse_manifest
-from guardfs.policy import PathPolicy
 from sandbox.exitcodes import Exit
 
 __all__ = ["SECRET_PATTERNS", "InitOptions", "Survey", "init", "render", "survey", "task_id"]
@@ -263,7 +263,7 @@ def _plan_protected(plan: _Plan, root: Path, found: Survey) -> None:
         if (root / present).exists():
             plan.protected.append(_Entry(pattern, what))
     if any(d.rstrip("/").rsplit("/", 1)[-1] == "migrations" for d in found.dirs):
-        plan.protected.append(_Entry("**/migrations/", "database migrations"))
+        plan.protected.append(_Entry("**/migrations/", "database migrations (not those in generated trees)"))
     names = {f.rsplit("/", 1)[-1] for f in found.files}
     for lockfile in _LOCKFILES:
         if lockfile in names:
@@ -284,10 +284,10 @@ def _plan_generated(plan: _Plan, found: Survey) -> None:
             plan.generated_extra.append(_Entry(_anchored(venv), "a Python virtualenv"))
 
 
-def _check_allow(patterns: Sequence[str], root: Path, found: Survey) -> tuple[list[str], list[str]]:
-    """The --allow patterns as the manifest writes them, and a warning for each that matches
-    nothing; an absolute path or a '..' is a usage error."""
-    out, warnings = [], []
+def _check_allow(patterns: Sequence[str], root: Path) -> list[str]:
+    """The --allow patterns as the manifest writes them; an absolute path or a '..' is a usage
+    error. (One that matches nothing is guard check's warning, said after the manifest is made.)"""
+    out = []
     for given in patterns:
         pattern = given.removeprefix("./")
         if os.path.isabs(given) or given.startswith("~"):
@@ -296,15 +296,8 @@ def _check_allow(patterns: Sequence[str], root: Path, found: Survey) -> tuple[li
         if ".." in pattern.split("/"):
             raise UsageError(f"--allow {given} escapes the repository with '..'; patterns are relative to its top "
                              f"level {root}")
-        try:
-            spec = pathspec.GitIgnoreSpec.from_lines([pattern])
-        except Exception as err:  # pathspec raises several types for a bad pattern
-            raise UsageError(f"--allow {given} is not a gitignore-style pattern: {err}") from err
-        if not found.truncated and not any(spec.match_file(p) for p in (*found.files, *found.dirs)):
-            warnings.append(f"--allow {given} matches nothing in {root} (patterns are relative to the repository's "
-                            "top level, not the current directory); the agent may create it there")
         out.append(pattern)
-    return out, warnings
+    return out
 
 
 def _array(key: str, entries: Iterable[_Entry]) -> list[str]:
@@ -386,9 +379,14 @@ def render(goal: str, ident: str, allowed: Sequence[str], plan: _Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _validate(text: str, source: str) -> None:
-    """Refuse what guard check would refuse (ManifestError, 65, naming the key)."""
-    PathPolicy(parse_manifest(text, source))
+def _validate(text: str, source: str, root: Path, plan: _Plan) -> list[str]:
+    """Refuse what guard check refuses (ManifestError, 65, naming the key); return its lints,
+    but for those about what guard init chose knowing it: a secret or protected pattern of
+    its own that stops at a generated tree (Django's migrations inside .venv/ stay writable)."""
+    manifest = parse_manifest(text, source)
+    ours = {("paths.secret", e.pattern) for e in plan.secret} | {("paths.protected", e.pattern) for e in plan.protected}
+    return [str(w) for w in lint(manifest, root)
+            if not ((w.key, w.pattern) in ours and "generated tree" in w.problem)]
 
 
 @dataclass
@@ -416,8 +414,9 @@ def init(opts: InitOptions) -> int:
                          "replace it")
     if not opts.goal.strip():
         raise UsageError('the goal is empty; say what the agent is to do: guard init --allow DIR "fix the bug"')
+    allowed = _check_allow(opts.allow, root)
     found = survey(root)
-    allowed, warnings = _check_allow(opts.allow, root, found)
+    warnings: list[str] = []
     tracked, untracked_why = tracked_files(root)
     if untracked_why is not None:
         warnings.append(f"cannot ask git which files it tracks ({untracked_why}); every secret found is "
@@ -430,7 +429,7 @@ def init(opts: InitOptions) -> int:
         warnings.append(f"the tree has more than {_MAX_ENTRIES} entries: only the first were looked at; check the "
                         "secret and protected lists by hand")
     text = render(opts.goal.strip(), opts.ident or task_id(opts.goal), allowed, plan)
-    _validate(text, str(target))
+    warnings += _validate(text, str(target), root, plan)
     try:
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if opts.force else os.O_EXCL)
         with open(target, "w", encoding="utf-8", opener=lambda p, _f: os.open(p, flags, 0o644)) as out:
@@ -438,7 +437,7 @@ def init(opts: InitOptions) -> int:
     except OSError as err:
         raise CantCreateError(f"cannot write {target}: {err.strerror or err}; run guard init where you may "
                               "write, or give --workspace DIR") from err
-    for warning in [*warnings, *plan.warnings]:
+    for warning in [*plan.warnings, *warnings]:
         print(f"guard init: warning: {warning}", file=sys.stderr)
     secrets = sum(not e.pattern.startswith("!") for e in plan.secret)
     scope = ", ".join(allowed) if allowed else "nothing (read-only)"
