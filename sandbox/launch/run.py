@@ -365,8 +365,8 @@ def _agent_argv(
     mask_file.touch(mode=0)
     mask_file.chmod(0)
     home = own_home or env.get("HOME") or str(Path.home())
-    installed = installation(resolve_command(command[0], env["PATH"], str(opts.cwd)), env["PATH"]) | reveal(
-        _readable(opts, home))
+    executable = resolve_command(command[0], env["PATH"], str(opts.cwd))
+    installed = installation(executable, env["PATH"], str(opts.workspace.resolve())) | reveal(_readable(opts, home))
     masks = host_secrets(own_home, other_runs)
     writable = [str(p) for p in _extra_writable(opts)] + ([str(state)] if state else [])
     secrets = _credential_stores(opts, home, masks, writable, installed)
