@@ -134,8 +134,9 @@ def _ancestors(path: str) -> list[str]:
     return out
 
 
-def _interpreter(real: str, search_path: str) -> str | None:
-    """The interpreter a script's ``#!`` line names, resolved (``env NAME`` on *search_path*)."""
+def _interpreter(real: str, search_path: str, by_name_only: bool = False) -> str | None:
+    """The interpreter a script's ``#!`` line names, resolved (``env NAME`` on *search_path*);
+    *by_name_only*: only one named that way."""
     try:
         with open(real, "rb") as f:
             head = f.read(256)
@@ -147,7 +148,7 @@ def _interpreter(real: str, search_path: str) -> str | None:
     if not words:
         return None
     if os.path.basename(words[0]) != "env":
-        return words[0] if os.path.isabs(words[0]) else None
+        return words[0] if os.path.isabs(words[0]) and not by_name_only else None
     name = next((w for w in words[1:] if not w.startswith("-") and "=" not in w), None)
     return shutil.which(name, path=search_path) if name else None
 
@@ -165,19 +166,31 @@ def _venv_base(venv: str) -> str | None:
     return None
 
 
-def installation(executable: str, search_path: str, depth: int = 0) -> Installation:
+def installation(executable: str, search_path: str, workspace: str = "", depth: int = 0) -> Installation:
     """What the sandbox must show for the absolute *executable* to run as on the host: its
     symlinks, its :func:`package_root`, a venv's base interpreter, and the same for the
-    interpreter of a script (its ``#!`` line)."""
+    interpreter of a script (its ``#!`` line).
+
+    A file of the *workspace* is the agent's to write: the mount shows it, and of what it names
+    only an interpreter found by ``env NAME`` on *search_path* (the user's) is shown, never a
+    path its ``#!`` line or a symlink of its own would lead to."""
     links: list[tuple[str, str]] = []
     real = _resolve(executable, links)
+    hops = [*(path for path, _ in links), real]
+    first = next((i for i, hop in enumerate(hops) if workspace and _inside(hop, workspace)), None)
+    if first is not None:  # the rest of the way is the agent's: a link of its own leads nowhere
+        interpreter = _interpreter(real, search_path, by_name_only=True) if first == len(links) else None
+        found = Installation(tuple(links[:first]))
+        if interpreter is not None and depth < _MAX_DEPTH:
+            found |= installation(interpreter, search_path, workspace, depth + 1)
+        return found
     root = package_root(real)
     found = Installation(tuple(links), (root,))
     if root != real and os.path.isfile(os.path.join(root, "pyvenv.cfg")) and (base := _venv_base(root)):
-        found |= installation(os.path.join(base, "python3"), search_path, _MAX_DEPTH)
+        found |= installation(os.path.join(base, "python3"), search_path, workspace, _MAX_DEPTH)
     interpreter = _interpreter(real, search_path)
     if interpreter is not None and depth < _MAX_DEPTH and os.path.exists(interpreter):
-        found |= installation(interpreter, search_path, depth + 1)
+        found |= installation(interpreter, search_path, workspace, depth + 1)
     return found
 
 
@@ -193,10 +206,14 @@ def reveal(paths: Iterable[str]) -> Installation:
     return found
 
 
+def _inside(path: str, tree: str) -> bool:
+    return path == tree or path.startswith(tree.rstrip("/") + "/")
+
+
 def _outermost(trees: Iterable[str]) -> tuple[str, ...]:
     """*trees* without those inside another, sorted."""
     out: list[str] = []
     for tree in sorted(set(trees)):
-        if not any(tree.startswith(kept.rstrip("/") + "/") for kept in out):
+        if not any(_inside(tree, kept) for kept in out):
             out.append(tree)
     return tuple(out)

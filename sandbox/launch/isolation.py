@@ -16,7 +16,11 @@ tmpfs, and every file and directory under /etc that others may not read (/etc/sh
 keys, ...) by an unreadable stand-in; a root guard's run directory is mode 000 wherever and
 whenever it is made, which uid 0 without capabilities cannot enter (:mod:`sandbox.launch.runs`).
 The agent stays root (tools and images that expect it keep working); these masks are what make
-root's secrets not its own. See :func:`host_secrets`.
+root's secrets not its own. See :func:`host_secrets`. Into those empty trees come back, read-only,
+the agent's own installation (:mod:`sandbox.launch.install`) and nothing else of the home; and
+over every bind, last, the credential stores the sandbox would still show (an agent user's home
+bound back, a home outside the covered trees, a writable directory) are masked
+(:func:`visible_secrets`).
 With ``[sandbox] network = "none"`` the agent also gets a network namespace of its own.
 """
 

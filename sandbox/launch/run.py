@@ -336,6 +336,9 @@ def _agent_argv(
     # of the guard's own user, that user's environment as it started guard.
     env = dict(os.environ) if opts.user is None else agent_environment(dict(os.environ), opts.manifest.sandbox.env)
     env["PATH"] = _search_path(env)
+    # The user's home, before an agent's state of its own may stand in for it (HOME itself, for
+    # some): where its credential stores are, and what ~ means in [sandbox] readable.
+    home = pwd.getpwnam(opts.user).pw_dir if opts.user is not None else env.get("HOME") or str(Path.home())
     env["GUARD_LOG_MAX_BYTES"] = str(opts.manifest.sandbox.log_max_bytes)  # guard exec's cap
     rel = os.path.relpath(opts.cwd, opts.workspace) if opts.cwd.is_relative_to(opts.workspace) else "."
     # An agent of another user may not reach the helper built for this one: the Python hook.
@@ -379,9 +382,8 @@ def _agent_argv(
     mask_file = mnt.parent / "unreadable"
     mask_file.touch(mode=0)
     mask_file.chmod(0)
-    home = own_home or env.get("HOME") or str(Path.home())
-    installed = installation(resolve_command(command[0], env["PATH"], str(opts.cwd)), env["PATH"]) | reveal(
-        _readable(opts, home))
+    executable = resolve_command(command[0], env["PATH"], str(opts.cwd))
+    installed = installation(executable, env["PATH"], str(opts.workspace.resolve())) | reveal(_readable(opts, home))
     masks = host_secrets(own_home, other_runs)
     writable = [str(p) for p in _extra_writable(opts)] + ([str(state)] if state else [])
     secrets = _credential_stores(opts, home, masks, writable, installed)
