@@ -25,7 +25,7 @@ from pathlib import Path
 import pathspec
 
 from guardfs.manifest import Manifest
-from guardfs.policy import GUARD_DIR, PathPolicy, Scope, pattern_applies
+from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope, pattern_applies
 
 __all__ = ["MAX_ENTRIES", "Lint", "lint"]
 
@@ -184,17 +184,14 @@ def _void_allowed(manifest: Manifest, policy: PathPolicy, entries: list[_Entry])
         if pattern.startswith("!"):
             continue
         spec = pathspec.GitIgnoreSpec.from_lines([pattern])
-        matched = [e for e in entries if pattern_applies(spec, e.probe, e.tree)]
-        files = [e for e in matched if not e.is_dir] or matched  # a directory's own verdict says little
-        verdicts = [policy.classify(e.path, e.is_dir) for e in files]
         if pattern in secret or pattern in protected:
             wins = "secret" if pattern in secret else "protected"
-        elif verdicts and all(v.scope is Scope.FORBIDDEN for v in verdicts):
-            wins = "secret"
-        elif verdicts and all(v.scope in (Scope.FORBIDDEN, Scope.PROTECTED) for v in verdicts):
-            wins = "protected"
+            verdicts = []
         else:
-            continue
+            verdicts = _voided(spec, policy, entries)
+            if not verdicts:
+                continue
+            wins = "secret" if all(v.scope is Scope.FORBIDDEN for v in verdicts) else "protected"
         which = next((v.describe() for v in verdicts if v.key.startswith("paths.")), f"paths.{wins} {pattern!r}")
         what = "neither read nor written" if wins == "secret" else "read but never written"
         out.append(Lint("paths.allowed", pattern, (
@@ -202,6 +199,23 @@ def _void_allowed(manifest: Manifest, policy: PathPolicy, entries: list[_Entry])
             f"paths are {what}"), (
             f"remove it from allowed if they are {wins}; otherwise take them out of paths.{wins}")))
     return out
+
+
+def _voided(spec: pathspec.GitIgnoreSpec, policy: PathPolicy, entries: list[_Entry]) -> list[Classification]:
+    """The verdicts of what the allowed *spec* matches (files, or directories when it matches
+    no file: a directory's own verdict says little), when every one is secret or protected;
+    [] as soon as one is not (or when it matches nothing)."""
+    verdicts: list[Classification] = []
+    for want_dir in (False, True):
+        for e in entries:
+            if e.is_dir is want_dir and pattern_applies(spec, e.probe, e.tree):
+                where = policy.classify(e.path, e.is_dir)
+                if where.scope not in (Scope.FORBIDDEN, Scope.PROTECTED):
+                    return []
+                verdicts.append(where)
+        if verdicts:
+            return verdicts
+    return verdicts
 
 
 def _reaching(keyed: list[tuple[str, str]], entries: list[_Entry]) -> list[Lint]:

@@ -322,6 +322,9 @@ CLASSES_RUN = """
     attempt("read certifi", lambda: len(read(f"{site}/pip/_vendor/certifi/cacert.pem")) > 0)
     attempt("git log", lambda: subprocess.run(["git", "log", "--format=%s"], capture_output=True, text=True,
                                                check=True).stdout)
+    home = os.path.expanduser("~")
+    attempt("outside secret", lambda: read(f"{home}/.config/acme/token"))
+    attempt("outside neighbour", lambda: read(f"{home}/.config/acme/public"))
     print(json.dumps(out))
 """
 
@@ -345,7 +348,7 @@ def test_a_protected_tracked_workflow_starts_reads_and_refuses_writes_under_guar
         (ws / rel).write_text(text)
     (ws / "guard.toml").write_text(
         '[task]\nid = "tags"\ngoal = "Fix the tagging helper in app/"\n[paths]\nallowed = ["**"]\n'
-        'secret = [".env*", "**/*.pem"]\nprotected = [".github/workflows/", "**/migrations/"]\n'
+        'secret = [".env*", "**/*.pem", "~/.config/acme/token"]\nprotected = [".github/workflows/", "**/migrations/"]\n'
         f'[sandbox]\nnative_generated = false\nwritable = ["{home}"]\n')  # the venv through the mount: judged
     for argv in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "init"]):
         subprocess.run(argv, cwd=ws, env=env, check=True)
@@ -354,6 +357,9 @@ def test_a_protected_tracked_workflow_starts_reads_and_refuses_writes_under_guar
                          env={**env, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
     if pip.returncode != 0:
         pytest.skip(f"Django cannot be installed from here: {pip.stderr[-300:]}")
+    (home / ".config/acme").mkdir(parents=True)
+    (home / ".config/acme/token").write_text("TOKEN-VALUE\n")
+    (home / ".config/acme/public").write_text("PUBLIC\n")
     run_dir = tmp_path / "run"
     proc = guard_run(ws / "guard.toml", ws, run_dir, CLASSES_RUN, "--ci", env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -365,6 +371,8 @@ def test_a_protected_tracked_workflow_starts_reads_and_refuses_writes_under_guar
     assert "IMPORTED" in out["import"] and "/django/db/migrations/" in out["import"], out["import"]
     assert out["write venv migration"] == 6 and out["read certifi"] is True, out
     assert out["git log"] == "init\n"
+    # A secret outside the workspace is hidden in the sandbox (guardfs.manifest.outside_secrets).
+    assert out["outside neighbour"] == "PUBLIC\n" and "TOKEN-VALUE" not in str(out["outside secret"]), out
     assert (ws / ".github/workflows/ci.yml").read_text() == "on: push\n"
     assert (ws / "app/migrations/0001_initial.py").read_text() == "ops = []\n"
     assert list((ws / ".venv/lib").glob("python3*/site-packages/django/db/migrations/guard_probe.py"))
