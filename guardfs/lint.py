@@ -10,7 +10,9 @@ used but is almost certainly a mistake, judged against the workspace as it is:
 - an ``allowed`` pattern whose every path is also secret or protected (it allows no write);
 - a pattern that matches paths inside a generated tree but does not reach in (guardfs.policy:
   one matching at any depth stops at ``.venv/``, ``node_modules/`` unless it names the tree);
-- secrets that git tracks, with what each ``forbidden_in_git`` mode does about them.
+- secrets that git tracks, with what each ``forbidden_in_git`` mode does about them;
+- a ``secret`` starting with '/' (a path outside the workspace) that the workspace holds
+  instead (under ``forbidden`` a leading '/' anchored to the workspace root).
 
 Every :class:`Lint` names the manifest key, the pattern, the problem and the fix. The
 module is pure but for reading the workspace (a bounded walk, and git's index and HEAD).
@@ -67,6 +69,7 @@ def lint(manifest: Manifest, workspace: str | os.PathLike[str]) -> list[Lint]:
     entries, complete = _walk(root, policy)
     keyed = _patterns(manifest)
     out = _tracked_secrets(manifest, root, policy)
+    out += _absolute_secrets(manifest, root)
     out += _void_allowed(manifest, policy, entries)
     out += _idle_negations(keyed, entries)
     reaching = _reaching(keyed, entries)
@@ -239,6 +242,24 @@ def _reaching(keyed: list[tuple[str, str]], entries: list[_Entry]) -> list[Lint]
                 f"reach in: a pattern matching at any depth stops at a generated tree, so they are not {effect}"),
                 f"nothing, if that is what you meant (a venv's own migrations/, a package's test certificates); "
                 f"to reach in, name the tree: {named!r}"))
+    return out
+
+
+def _absolute_secrets(manifest: Manifest, root: Path) -> list[Lint]:
+    """Secrets starting with '/' that the workspace holds relative to its root: under
+    ``forbidden`` a leading '/' anchors a pattern to the workspace; under ``secret`` it names
+    a path outside it, so one moved from ``forbidden`` would no longer hide the workspace's."""
+    out = []
+    for entry in manifest.paths.secret:
+        if not entry.startswith("/"):
+            continue
+        inside = entry.strip("/")
+        if os.path.lexists(root / inside) and not os.path.lexists(entry):
+            out.append(Lint("paths.secret", entry, (
+                f"names {entry} outside the workspace (a secret starting with '/' is an absolute path), which "
+                f"does not exist, while the workspace holds {inside}, which stays readable"), (
+                f"to hide the workspace's, write {inside!r} (anchored at the workspace root: '{inside}' with a "
+                "'/' inside it, or under paths.forbidden, where a leading '/' anchors to the workspace)")))
     return out
 
 

@@ -151,7 +151,8 @@ CLASSES = PathPolicy(parse_manifest(
     '[task]\nid = "t"\ngoal = "g"\n[paths]\nallowed = ["**"]\n'
     'secret = [".env*", "**/*.pem", "~/.ssh", "/etc/passwd", ".venv/**/named.pem"]\n'
     'forbidden = ["keys/", "!.env.example"]\n'
-    'protected = [".github/workflows/", "**/migrations/", "package-lock.json", "!.github/workflows/scratch.yml"]\n'
+    'protected = [".github/workflows/", "**/migrations/", "package-lock.json", "!.github/workflows/scratch.yml", '
+    '"dist/"]\n'
 ))
 SITE = ".venv/lib/python3.11/site-packages"
 
@@ -177,6 +178,9 @@ SITE = ".venv/lib/python3.11/site-packages"
         ("app/migrations/0001_initial.py", False, Scope.PROTECTED, "paths.protected", "**/migrations/"),
         ("app/migrations", True, Scope.PROTECTED, "paths.protected", "**/migrations/"),
         ("package-lock.json", False, Scope.PROTECTED, "paths.protected", "package-lock.json"),
+        # Protected wins over generated output that would land in the workspace.
+        ("dist/app.js", False, Scope.PROTECTED, "paths.protected", "dist/"),
+        ("dist", True, Scope.PROTECTED, "paths.protected", "dist/"),
         ("web/package-lock.json", False, Scope.PROTECTED, "paths.protected", "package-lock.json"),
         # The bytecode of a protected package goes to the run's scratch layer (never the
         # workspace): a test run importing the migrations trips nothing.
