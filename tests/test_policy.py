@@ -335,12 +335,17 @@ CLASSES_RUN = """
 
 @pytest.mark.mount
 @pytest.mark.slow
-def test_a_protected_tracked_workflow_starts_reads_and_refuses_writes_under_guard_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["venv-through-the-mount", "venv-native"])
+def test_a_protected_tracked_workflow_starts_reads_and_refuses_writes_under_guard_run(
+    tmp_path: Path, native: bool,
+) -> None:
     """guard run --ci in a repository that tracks its CI workflow and its migrations, with a
     venv holding Django: the run starts (no exit 65: only secrets are checked against git),
     the protected files read and refuse writes (EROFS, a scope_spill each, recovered), the
     manifest is read-only, and '**/migrations/' leaves Django's own migrations importable and
-    writable as generated output; '**/*.pem' leaves pip's CA bundle readable."""
+    writable as generated output; '**/*.pem' leaves pip's CA bundle readable. The same
+    through the mount (the policy judges every venv path) and with the venv bound natively
+    (nothing masked in it that the policy would serve)."""
     require("git")
     ws, home = tmp_path / "ws", tmp_path / "home"
     home.mkdir()
@@ -353,7 +358,7 @@ def test_a_protected_tracked_workflow_starts_reads_and_refuses_writes_under_guar
     (ws / "guard.toml").write_text(
         '[task]\nid = "tags"\ngoal = "Fix the tagging helper in app/"\n[paths]\nallowed = ["**"]\n'
         'secret = [".env*", "**/*.pem", "~/.config/acme/token"]\nprotected = [".github/workflows/", "**/migrations/"]\n'
-        f'[sandbox]\nnative_generated = false\nwritable = ["{home}"]\n')  # the venv through the mount: judged
+        f'[sandbox]\nnative_generated = {"true" if native else "false"}\nwritable = ["{home}"]\n')
     for argv in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "init"]):
         subprocess.run(argv, cwd=ws, env=env, check=True)
     subprocess.run(["/usr/bin/python3", "-m", "venv", str(ws / ".venv")], check=True)
@@ -368,6 +373,11 @@ def test_a_protected_tracked_workflow_starts_reads_and_refuses_writes_under_guar
     proc = guard_run(ws / "guard.toml", ws, run_dir, CLASSES_RUN, "--ci", env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "git tracks" not in proc.stderr
+    trees = [line for line in proc.stderr.splitlines() if "generated trees (written natively" in line]
+    if native:  # '**/*.pem' does not reach into .venv/: pip's CA bundle is not masked
+        assert len(trees) == 1 and ".venv" in trees[0] and "masked" not in trees[0], proc.stderr
+    else:
+        assert trees == [], proc.stderr
     out = json.loads((run_dir / "stdout.log").read_text().splitlines()[-1])
     assert out["read ci"] == "on: push\n" and out["read migration"] == "ops = []\n"
     assert out["write ci"] == "EROFS" and out["write migration"] == "EROFS" and out["write manifest"] == "EROFS"
