@@ -317,6 +317,8 @@ CLASSES_RUN = """
     attempt("progress 2", lambda: append("app/b.py"))
     attempt("write manifest", lambda: append("guard.toml"))
     attempt("progress 3", lambda: append("app/c.py"))
+    attempt("read env", lambda: read(".env"))
+    attempt("progress 4", lambda: append("app/d.py"))
     site = glob.glob(".venv/lib/python3*/site-packages")[0]
     test = subprocess.run([".venv/bin/python", "-c",
                            "import django.db.migrations.operations as o, django.db.migrations as m; "
@@ -381,7 +383,8 @@ def test_a_protected_tracked_workflow_starts_reads_and_refuses_writes_under_guar
     out = json.loads((run_dir / "stdout.log").read_text().splitlines()[-1])
     assert out["read ci"] == "on: push\n" and out["read migration"] == "ops = []\n"
     assert out["write ci"] == "EROFS" and out["write migration"] == "EROFS" and out["write manifest"] == "EROFS"
-    assert all(isinstance(out[f"progress {i}"], int) for i in (1, 2, 3)), out
+    assert all(isinstance(out[f"progress {i}"], int) for i in (1, 2, 3, 4)), out
+    assert out["read env"] == "EACCES"
     assert "IMPORTED" in out["import"] and "/django/db/migrations/" in out["import"], out["import"]
     assert out["write venv migration"] == 6 and out["read certifi"] is True, out
     assert out["git log"] == "init\n"
@@ -392,7 +395,8 @@ def test_a_protected_tracked_workflow_starts_reads_and_refuses_writes_under_guar
     assert list((ws / ".venv/lib").glob("python3*/site-packages/django/db/migrations/guard_probe.py"))
     ledger = json.loads((run_dir / "ledger.json").read_text())
     trips = [(t["rule"], t.get("reason", "")) for t in ledger["trips"]]
-    assert [rule for rule, _ in trips] == ["scope_spill"] * 3, trips
-    for (_, reason), path in zip(trips, (".github/workflows/ci.yml", "app/migrations/0001_initial.py", "guard.toml"),
-                                 strict=True):
+    assert [rule for rule, _ in trips] == ["scope_spill"] * 3 + ["forbidden_path"], trips
+    for (_, reason), path in zip(trips, (".github/workflows/ci.yml", "app/migrations/0001_initial.py", "guard.toml",
+                                         ".env"), strict=True):
         assert path in reason, trips
+    assert "paths.protected '.github/workflows/'" in trips[0][1] and "paths.secret '.env*'" in trips[3][1], trips
