@@ -318,7 +318,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
           + (f" (and {outside} outside the workspace)" if outside else "")
           + f", {len(p.protected)} protected pattern(s); {len(warnings)} warning(s)"
           + (" (--strict: refused)" if warnings and args.strict else ""))
-    if args.verbose:
+    if getattr(args, "verbose", False):  # guard -v check, or guard check -v
         print()
         print(PathPolicy(manifest).describe())
     return Exit.DATAERR if warnings and args.strict else Exit.OK
