@@ -53,7 +53,8 @@ for (const p of process.argv.slice(2)) {
   try { reads[p] = ["ok", fs.readFileSync(p.replace(/^~/, home), "utf8")]; }
   catch (err) { reads[p] = [err.code, null]; }
 }
-console.log(JSON.stringify({ seen: walk(home, home).sort(), reads, cwd: process.cwd() }));
+const child = require("child_process").execFileSync("node", ["-p", "process.execPath"]).toString().trim();
+console.log(JSON.stringify({ seen: walk(home, home).sort(), reads, cwd: process.cwd(), node: child }));
 """
 
 WALK_JS = """const fs = require("fs");
@@ -143,7 +144,23 @@ def _install(layout: str, home: Path) -> tuple[Path, set[str]]:
         (bindir / "agent").symlink_to(venv / "bin/agent")
         shown = {".local", ".local/bin", ".local/bin/agent", ".local/pipx", ".local/pipx/venvs"}
         return bindir, shown | {str(p.relative_to(home)) for p in [venv, *venv.rglob("*")]}
-    # An npm user prefix: npm install -g --prefix ~/.npm-global of a local package, offline.
+    if layout == "nvm":  # nvm: node and the package under ~/.nvm/versions/node/vX, its bin/ on PATH
+        prefix = home / ".nvm/versions/node/v20.0.0"
+        (prefix / "bin").mkdir(parents=True)
+        shutil.copy2(os.path.realpath(require("node")), prefix / "bin/node")
+        _npm_install(home, prefix)
+        shown = {".nvm", ".nvm/versions", ".nvm/versions/node"}
+        return prefix / "bin", shown | {str(p.relative_to(home)) for p in [prefix, *prefix.rglob("*")]}
+    # An npm user prefix: npm install -g --prefix ~/.npm-global.
+    _npm_install(home, home / ".npm-global")
+    tree = home / ".npm-global/lib/node_modules/agent"
+    shown = {".npm-global", ".npm-global/bin", ".npm-global/bin/agent", ".npm-global/lib",
+             ".npm-global/lib/node_modules"}
+    return home / ".npm-global/bin", shown | {str(p.relative_to(home)) for p in [tree, *tree.rglob("*")]}
+
+
+def _npm_install(home: Path, prefix: Path) -> None:
+    """``npm install -g --prefix PREFIX`` of a tiny local package, offline (its probe a node launcher)."""
     require("npm")
     package = home.parent / f"{home.name}-pkg"
     try:
@@ -153,21 +170,17 @@ def _install(layout: str, home: Path) -> tuple[Path, set[str]]:
         (package / "package.json").write_text(json.dumps({"name": "agent", "version": "1.0.0",
                                                           "bin": {"agent": "cli.js"}}))
         packed = subprocess.run(["npm", "pack", "--silent"], cwd=package, capture_output=True, text=True, check=True)
-        subprocess.run(["npm", "install", "-g", "--offline", "--no-audit", "--no-fund", "--prefix",
-                        str(home / ".npm-global"), str(package / packed.stdout.strip())],
+        subprocess.run(["npm", "install", "-g", "--offline", "--no-audit", "--no-fund", "--prefix", str(prefix),
+                        str(package / packed.stdout.strip())],
                        check=True, capture_output=True, env={**os.environ, "HOME": str(home)})
     finally:
         shutil.rmtree(package)
     shutil.rmtree(home / ".npm", ignore_errors=True)  # npm's own cache: not part of the installation
-    tree = home / ".npm-global/lib/node_modules/agent"
-    shown = {".npm-global", ".npm-global/bin", ".npm-global/bin/agent", ".npm-global/lib",
-             ".npm-global/lib/node_modules"}
-    return home / ".npm-global/bin", shown | {str(p.relative_to(home)) for p in [tree, *tree.rglob("*")]}
 
 
 @pytest.mark.root
 @pytest.mark.mount
-@pytest.mark.parametrize("layout", ["script", "native", "pipx", "npm"])
+@pytest.mark.parametrize("layout", ["script", "native", "pipx", "npm", "nvm"])
 def test_an_agent_installed_in_its_home_runs_and_sees_nothing_else_of_it(
         tmp_path: Path, home: Path, layout: str) -> None:
     """``guard run -- agent`` with the agent where installers put it, in a home under /home: it runs
@@ -186,6 +199,8 @@ def test_an_agent_installed_in_its_home_runs_and_sees_nothing_else_of_it(
     assert report["reads"] == {"~/notes.txt": ["ENOENT", None], "~/.ssh/id_rsa": ["ENOENT", None],
                                "~/.config/myagent/conf": ["ok", "agent conf\n"]}
     assert report["cwd"] == str(ws)
+    if layout in ("npm", "nvm"):  # the agent's own child commands resolve on its PATH, as on the host
+        assert report["node"] == (str(bindir / "node") if layout == "nvm" else os.path.realpath(require("node")))
     assert (home / ".local/bin/other-tool").exists()  # the host's home is as it was
 
 

@@ -24,7 +24,7 @@ import termios
 import time
 import traceback
 import tty
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -306,7 +306,7 @@ def agent_environment(environ: dict[str, str], allowed: list[str]) -> dict[str, 
     return {k: v for k, v in environ.items() if k in exact or k.startswith(prefixes)}
 
 
-def _search_path(env: dict[str, str] | os._Environ[str]) -> str:
+def _search_path(env: Mapping[str, str]) -> str:
     """The agent's PATH: the one it was started with (its own tools, found where they are
     installed, first), then `guard exec` and `guard hook`, which must be found inside."""
     tools = f"{Path(sys.argv[0]).resolve().parent}:{Path(sys.executable).parent}"
