@@ -213,6 +213,17 @@ def test_a_command_not_on_path_is_refused_before_anything_starts(tmp_path: Path)
     assert result.returncode == 64, result.stderr
     assert "cannot run no-such-agent-zq7x9: not found on PATH (/usr/bin:/bin" in result.stderr
     assert not run_dir.exists()  # refused before the run directory, the mount and the sandbox
+    # For an agent of another user, a directory of root's on PATH is not searched: hidden inside.
+    root_only = Path(tempfile.mkdtemp(prefix="guardfs-bin-", dir="/root"))
+    try:
+        _executable(root_only / "root-only-agent", "#!/bin/sh\n")
+        result = _guard_run(manifest, ws, run_dir, ["root-only-agent"],
+                            {**os.environ, "PATH": f"{root_only}:/usr/bin:/bin"}, "--user", "nobody")
+    finally:
+        shutil.rmtree(root_only)
+    assert result.returncode == 64, result.stderr
+    assert "cannot run root-only-agent: not found on PATH (/usr/bin:/bin" in result.stderr
+    assert not run_dir.exists()
 
 
 @pytest.mark.root
@@ -332,9 +343,11 @@ def test_credential_stores_are_masked_for_an_agent_of_another_user(
     _credential_home(home, agent_user)
     ws, manifest = _repository(tmp_path)
     subprocess.run(["chown", "-R", f"{agent_user.pw_uid}:{agent_user.pw_gid}", str(ws)], check=True)
-    probe = _executable(ws / "probe", PROBE_PY)  # in the workspace: the agent's user reaches it
+    probe = _executable(home / ".local/bin/agent", PROBE_PY)  # installed in the agent user's own home
+    os.chown(probe, agent_user.pw_uid, agent_user.pw_gid)
     run_dir = tmp_path / "run"
-    result = _guard_run(manifest, ws, run_dir, [str(probe), *READS], dict(os.environ), "--user", agent_user.pw_name)
+    env = {**os.environ, "PATH": f"{probe.parent}:{os.environ['PATH']}"}
+    result = _guard_run(manifest, ws, run_dir, ["agent", *READS], env, "--user", agent_user.pw_name)
     assert result.returncode == 0, result.stderr
     assert _report(run_dir, result)["reads"] == MASKED
 

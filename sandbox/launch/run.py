@@ -122,7 +122,7 @@ def _say(text: str) -> None:
 def run(opts: RunOptions) -> int:
     """Run the agent under guard; returns the exit status."""
     bwrap = _sandbox_tool(opts)  # a usage error is said before anything about the machine
-    resolve_command(opts.command[0], _search_path(os.environ), str(opts.cwd))  # the same: before the mount
+    _check_command(opts)  # the same: before the mount
     check_fuse_available()
     run_dir = opts.run_dir
     claim_run_dir(run_dir)  # mode 000 as root: out of every sandbox's reach (sandbox.launch.runs)
@@ -179,6 +179,22 @@ def run(opts: RunOptions) -> int:
     if not private:
         _say("(unprivileged run: the mount lived in the host's mount namespace and has been removed)")
     return status
+
+
+def _check_command(opts: RunOptions) -> None:
+    """The agent's command is found on its PATH: else a usage error saying where it was looked
+    for, before anything starts (the agent would otherwise meet 127 inside the sandbox)."""
+    resolve_command(opts.command[0], _lookup_path(opts, _search_path(os.environ)), str(opts.cwd))
+
+
+def _lookup_path(opts: RunOptions, search: str) -> str:
+    """The PATH the agent's command is looked up on: for an agent of another user, only the
+    directories that user can search, as inside the sandbox (root's own are hidden there)."""
+    if opts.user is None:
+        return search
+    pw = pwd.getpwnam(opts.user)
+    groups = set(os.getgrouplist(pw.pw_name, pw.pw_gid))
+    return ":".join(d for d in search.split(":") if d and reachable_by(os.path.join(d, "_"), pw.pw_uid, groups))
 
 
 def _say_where(opts: RunOptions) -> None:
@@ -367,8 +383,9 @@ def _agent_argv(
     mask_file = mnt.parent / "unreadable"
     mask_file.touch(mode=0)
     mask_file.chmod(0)
-    executable = resolve_command(command[0], env["PATH"], str(opts.cwd))
-    installed = installation(executable, env["PATH"], str(opts.workspace.resolve())) | reveal(_readable(opts, home))
+    search = _lookup_path(opts, env["PATH"])
+    executable = resolve_command(command[0], search, str(opts.cwd))
+    installed = installation(executable, search, str(opts.workspace.resolve())) | reveal(_readable(opts, home))
     masks = host_secrets(own_home, other_runs)
     writable = [str(p) for p in _extra_writable(opts)] + ([str(state)] if state else [])
     secrets = _credential_stores(opts, home, masks, writable, installed)
