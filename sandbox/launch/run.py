@@ -820,10 +820,12 @@ def _summary(opts: RunOptions, breaker: Breaker, accounting: WriteAccounting, ev
     snap = breaker.snapshot()
     files = [printable(f) for f in heapq.nsmallest(8, accounting.files)]  # names escaped: any bytes, no controls
     more = ", ..." if len(accounting.files) > 8 else ""
-    trips = ", ".join(f"{t['rule']}" + (f" on {printable(t['path'])}" if t.get("path") else "")
-                      + f" at step {t['step']}" for t in snap["trips"])
-    if snap["omitted"]["trips"]:
-        trips += f", ... ({snap['omitted']['trips']} more between them in events.jsonl)"
+    said = [f"{t['rule']}" + (f" on {printable(t['path'])}" if t.get("path") else "") + f" at step {t['step']}"
+            for t in snap["trips"]]
+    if snap["omitted"]["trips"]:  # the ledger keeps the first and the most recent (record.ledger_max_items)
+        said.insert(opts.manifest.record.ledger_max_items // 2,
+                    f"... {snap['omitted']['trips']} more in events.jsonl ...")
+    trips = ", ".join(said)
     dropped = sum(events.dropped.values())
     lines = [
         "run summary",
