@@ -163,7 +163,8 @@ def tracked_files(root: Path) -> tuple[set[str], str | None]:
     except (OSError, subprocess.TimeoutExpired) as err:
         return set(), str(err)
     if proc.returncode != 0:
-        return set(), proc.stderr.decode(errors="replace").strip().splitlines()[-1:][0] if proc.stderr else "git failed"
+        said = proc.stderr.decode(errors="replace").strip().splitlines()
+        return set(), said[-1] if said else f"git ls-files exited {proc.returncode}"
     return {os.fsdecode(p) for p in proc.stdout.split(b"\0") if p}, None
 
 
@@ -442,7 +443,7 @@ def init(opts: InitOptions) -> int:
     text = render(opts.goal.strip(), opts.ident or task_id(opts.goal), allowed, plan)
     warnings += _validate(text, str(target), root, plan)
     try:
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if opts.force else os.O_EXCL)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if opts.force else os.O_EXCL)
         with open(target, "w", encoding="utf-8", opener=lambda p, _f: os.open(p, flags, 0o644)) as out:
             out.write(text)
     except OSError as err:
