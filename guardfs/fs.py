@@ -35,7 +35,7 @@ from guardfs.backing import Backing
 from guardfs.checkpoint import PreImages
 from guardfs.decision import Decider, LimitsDecider, Request, Verdict
 from guardfs.events import EventLog
-from guardfs.gate import Gate
+from guardfs.gate import Commit, Gate
 from guardfs.gitguard import git_binary_ids, is_git_process
 from guardfs.inodes import Entry, InodeTable
 from guardfs.intent import lookup_intent
@@ -614,7 +614,10 @@ class GuardFS(pyfuse3.Operations):
         if self._scratch is not None:
             self._scratch.removed(path)
         self._unnamed(st, path)
-        self.gate.done(request)
+        # The agent's deletion ends the file's content history; git's (a checkout unlinks a
+        # file before it writes a version back) does not, so git cannot flip it freely.
+        ended = where.scope.counted and not is_git_process(ctx.pid, self._git_ids)
+        self.gate.done(request, Commit(removed=path if ended else None))
 
     def _unnamed(self, st: os.stat_result, path: str) -> None:
         """*path*, a name of the inode *st*, is gone: its other names (hard links) stay."""

@@ -236,10 +236,6 @@ class Breaker:
         if not verdict.allow:
             rule = Rule.BLAST_RADIUS if verdict.rule == "limits.max_files" else Rule.OSCILLATION
             return self._trip(rule, verdict.reason, verdict)
-        plan = request.rewrite
-        if plan is not None and plan.cycle:
-            reason = f"{plan.path} would return to an earlier version of itself (A→B→A)"
-            return self._trip(Rule.OSCILLATION, reason, Verdict(False, "oscillation", None, ERRNO_LIMIT, reason))
         if request.mutating:
             # The feedback a trip owes lands on the agent's own next write, never on git's
             # index or ref update (not counted): that would leave git half-done.
@@ -252,11 +248,13 @@ class Breaker:
         self.commit(request)
 
     def commit(self, request: Request) -> Effects:
-        """An allowed mutation landed: progress, unless it closed a content cycle (a trip,
-        whose effects are returned)."""
+        """An allowed mutation landed: progress, unless it was a return to an earlier version
+        past ``max_returns`` that no write judged before it landed (a trip, whose effects are
+        returned)."""
         plan = request.rewrite
-        if plan is not None and plan.cycle:
-            self._trip(Rule.OSCILLATION, f"{plan.path} returned to an earlier version of itself (A→B→A)", None)
+        if plan is not None and plan.over_returns(self.limits.max_returns):
+            self._trip(Rule.OSCILLATION, f"{plan.path} returned to an earlier version of itself, return "
+                       f"{plan.returns} (max_returns={self.limits.max_returns}): it flips between versions", None)
         elif request.where.scope.counted and not (plan is not None and plan.unchanged):
             self._changed_since_test = True
             self._progress()  # a write that leaves the content as it was is no progress
