@@ -221,6 +221,16 @@ class WriteAccounting:
         rec.creation_pending = False  # the deleted content's units are gone uncounted
         rec.reborn = True
 
+    def put_back(self, path: str, data: bytes | None) -> None:
+        """The guard's rollback put *data* back at *path* (None: too large to hash): the
+        current version of its history, neither a return nor a rewrite of the agent's."""
+        rec = self.files.get(path)
+        if rec is None or data is None:
+            return
+        version = content_hash(data)
+        if not rec.hashes or rec.hashes[-1] != version:
+            rec.hashes.append(version)
+
     def forget_scratch(self, path: str) -> None:
         """Drop a file that was only a step of an atomic save (renamed onto its target)."""
         rec = self.files.get(path)

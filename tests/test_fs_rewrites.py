@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from guardfs.signature import content_hash
+from sandbox.breaker.client import GuardClient
+
 from .helpers import snapshot, wait_for
 from .mounts import Guarded, guarded_mount
 from .test_real_tools import Run
@@ -350,3 +353,24 @@ def test_delete_and_recreate_then_flip_loops_still_trip(tmp_path: Path) -> None:
     run2("cd src/checkout && echo A > f && rm f && echo A > f && echo B > f && echo A > f && echo B > f")
     assert [t["rule"] for t in run2.trips()] == ["oscillation"]
     assert "max_returns=1" in run2.trips()[0]["reason"]
+
+
+def test_a_rollback_puts_back_a_version_that_is_no_return(tmp_path: Path) -> None:
+    """After the guard rolls B back to A, A is the current version: writing A again changes
+    nothing, and B is the file's first return (allowed), the flip back to A its second."""
+    run = _workspace(tmp_path)
+    with guarded_mount(tmp_path, MANIFEST, run_dir=run, checkpoints=True) as g:
+        assert g.daemon is not None
+        assert _python_open_w(g, B) == 0
+        (g.mnt / "src/checkout/new.py").write_text(B)  # made after the start: a rollback removes it
+        with GuardClient(g.daemon.control_path) as operator:
+            assert operator.request({"type": "rollback", "to": "start"})["restored"] == 2
+        assert (g.mnt / TAX).read_text(encoding="utf-8") == A and not (g.backing / "src/checkout/new.py").exists()
+        assert g.fs.accounting.files["src/checkout/new.py"].hashes == []  # made again, it starts anew
+        rec = g.fs.accounting.files[TAX]
+        assert rec.hashes[-1] == content_hash(A.encode()) and rec.returns == 0
+        assert _python_open_w(g, A) == 0  # what the file holds: no return
+        wait_for(lambda: [e.get("returns") for e in _resized(g)][-1:] == [None], "the commit")
+        assert _python_open_w(g, B) == 0 and g.fs.accounting.files[TAX].returns == 1
+        assert _python_open_w(g, A) == errno.EDQUOT
+        assert _refusals(g) == ["limits.max_returns"]
