@@ -432,3 +432,16 @@ def test_a_return_that_landed_unjudged_trips_at_its_commit() -> None:
                         rewrite=plan))
     assert [t.rule.value for t in b.trips] == ["oscillation"]
     assert "return 2 (max_returns=1)" in b.trips[0].reason
+
+
+def test_approve_raises_the_limit_that_tripped_max_returns() -> None:
+    """A flip names limits.max_returns, and guard approve --raise raises that one."""
+    manifest = parse_manifest(MANIFEST.replace("max_rewrites = 2\n", "max_rewrites = 5\n"))
+    b = Breaker(manifest, WriteAccounting(), now=Clock())
+    verdicts = _flip(b, 3)
+    assert not verdicts[-1].allow and b.trips[-1].limit == "max_returns"
+    assert "Rule: oscillation (limits.max_returns)" in verdicts[-1].reason
+    assert b.approve(raise_to=2).allow and b.limits.max_returns == 2 and b.limits.max_rewrites == 5
+    versions = [fn("x"), fn("x + 1")]
+    assert rewrite(b, "src/checkout/r.py", versions[0], versions[1]).allow  # the refused flip, now within it
+    assert len(b.trips) == 1 and b.accounting.files["src/checkout/r.py"].returns == 2

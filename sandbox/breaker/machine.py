@@ -108,6 +108,9 @@ class Trip:
     step: int
     time: float
     reason: str
+    # The [limits] key that tripped (oscillation has two: max_rewrites, max_returns); None
+    # for a rule without one.
+    limit: str | None = None
 
 
 #: Distinct tool calls remembered for repetition (least recently made forgotten first).
@@ -254,7 +257,8 @@ class Breaker:
         plan = request.rewrite
         if plan is not None and plan.over_returns(self.limits.max_returns):
             self._trip(Rule.OSCILLATION, f"{plan.path} returned to an earlier version of itself, return "
-                       f"{plan.returns} (max_returns={self.limits.max_returns}): it flips between versions", None)
+                       f"{plan.returns} (max_returns={self.limits.max_returns}): it flips between versions", None,
+                       limit="max_returns")
         elif request.where.scope.counted and not (plan is not None and plan.unchanged):
             self._changed_since_test = True
             self._progress()  # a write that leaves the content as it was is no progress
@@ -429,7 +433,7 @@ class Breaker:
         """Resume after a trip; optionally raise the limit that tripped to *raise_to*."""
         last = self.trips[-1] if self.trips else None
         if raise_to is not None:
-            key = RULES[last.rule].limit_key if last is not None else None
+            key = last.limit if last is not None else None
             if key is None:
                 return Reply(False, self.state, "approve --raise: the last trip has no numeric limit to raise")
             current = getattr(self.limits, key)
@@ -576,11 +580,15 @@ class Breaker:
         self._effects.clear()
         return effects
 
-    def _trip(self, rule: Rule, reason: str, refused: Verdict | None) -> Verdict:
+    def _trip(self, rule: Rule, reason: str, refused: Verdict | None, *, limit: str | None = None) -> Verdict:
         """Record a trip and move the state; returns the denial carrying the feedback.
 
-        *refused* is the operation being refused for it, if the trip has one.
+        *refused* is the operation being refused for it, if the trip has one; *limit*, the
+        [limits] key that tripped (default: the refusal's, else the rule's own).
         """
+        if limit is None:
+            limit = (refused.rule.removeprefix("limits.") if refused is not None and refused.rule.startswith("limits.")
+                     else RULES[rule].limit_key)
         err = refused.errno if refused is not None else ERRNO_LIMIT
         if self.state.terminal:
             return Verdict(False, f"breaker {self.state.value}", None, err, self.last_feedback or reason)
@@ -592,7 +600,7 @@ class Breaker:
             self.state = _OPEN_STATE[rule]
             self._refuse_next = False
             self._effects.add(Effect.FREEZE)
-        trip = Trip(rule, self.state, self._c.steps, self.now(), reason)
+        trip = Trip(rule, self.state, self._c.steps, self.now(), reason, limit)
         self.trips.append(trip)
         self._changed_since_test = False  # a change before the trip vouches for no test after it
         self.last_feedback = self.feedback(trip)
@@ -617,7 +625,7 @@ class Breaker:
                       "another violation halts the run.")
         return "\n".join([
             f"guard: refused: {printable(trip.reason)}",  # a name in it cannot break or forge lines
-            f"Rule: {trip.rule.value}" + (f" (limits.{key})" if (key := RULES[trip.rule].limit_key) else ""),
+            f"Rule: {trip.rule.value}" + (f" (limits.{trip.limit})" if trip.limit else ""),
             f"Task {m.task.id}: {m.task.goal}",
             f"Scope: writes only in {', '.join(m.paths.allowed) or 'nowhere (read-only)'}; "
             + (f"never touch {', '.join(m.paths.forbidden)}." if m.paths.forbidden
