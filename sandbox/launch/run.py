@@ -122,7 +122,9 @@ def default_run_dir(task_id: str, base: Path | None = None) -> Path:
 
 
 def _say(text: str) -> None:
-    print(f"guard: {text}", file=sys.stderr, flush=True)
+    # A terminal in raw mode (an interactive agent's pty) does not return the carriage itself.
+    end = "\r\n" if sys.stderr.isatty() else "\n"
+    print(f"guard: {text}".replace("\n", end), file=sys.stderr, end=end, flush=True)
 
 
 def run(opts: RunOptions) -> int:
@@ -834,7 +836,8 @@ def _summary(opts: RunOptions, breaker: Breaker, accounting: WriteAccounting, ev
         # The counts ledger.json, guard report and the CI summary show too (guardfs.events.tally_kind).
         f"  denials: {events.tally['denials']}; trips: {events.tally['trips']}" + (f" ({trips})" if trips else ""),
         *([f"  events dropped by the event log's caps: {dropped} "
-           f"({', '.join(f'{op} {n}' for op, n in sorted(events.dropped.items()))}); denials and trips all kept"]
+           f"({', '.join(f'{op} {n}' for op, n in sorted(events.dropped.items()))}); every denial counted, "
+           "every trip and violation kept"]
           if dropped else []),
         f"  tokens: {snap['tokens']['total']} in {snap['steps']} steps",
         f"  run directory: {opts.run_dir} (stdout.log, stderr.log, events.jsonl, ledger.json, STATE.md)",
