@@ -6,8 +6,9 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -24,6 +25,13 @@ if TYPE_CHECKING:
 # commands that need them: `guard hook` runs before every tool call and must start fast.
 
 __all__ = ["main"]
+
+# The manifest's sections, for help texts (guardfs.schema generates the keys; a test keeps
+# these names in step with the model without importing pydantic here).
+_SECTION_NAMES = ("task", "paths", "limits", "breaker", "sandbox", "record")
+_SECTIONS = ", ".join(f"[{name}]" for name in _SECTION_NAMES)
+#: guardfs.manifest.DEFAULT_MANIFEST, kept here too so that `guard hook` imports no pydantic.
+DEFAULT_MANIFEST = "guard.toml"
 
 log = logging.getLogger("guard")
 
@@ -58,49 +66,40 @@ def _parser() -> argparse.ArgumentParser:
             "75 the run was stopped"
         ),
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="log every denial to stderr")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every denial to stderr (also after the verb)")
+    p.add_argument("--version", action="version", version=f"guard (guardfs) {_version()}")
     sub = p.add_subparsers(dest="verb", required=True, parser_class=_Parser)
 
     check = sub.add_parser(
         "check",
-        help="validate a scope manifest and print the compiled policy",
+        help="validate a scope manifest and lint it against the workspace",
         description=(
-            "Validate MANIFEST and print the compiled policy. Exits 0 when valid, 65 with a "
-            "message naming the file, the key and the reason when not. Schema: [task] id, goal; "
-            "[paths] allowed, forbidden (gitignore-style patterns), git_internals; [limits] "
-            "max_files, max_rewrites, window_steps, max_window_tokens, "
-            "max_tokens_without_progress, max_consecutive_failures, max_identical_calls, "
-            "stagnation_similarity, idle_timeout_s, max_steps."
+            f"Validate MANIFEST (default: {DEFAULT_MANIFEST} at the workspace's top level) and lint it against the "
+            "workspace: patterns that match nothing, negations that take nothing out, allowed patterns that "
+            "secret or protected ones void, patterns that stop at a generated tree, secrets git tracks. "
+            "Prints each warning with its fix, then one line; guard -v check also prints the compiled policy. "
+            "Exits 0 when valid (65 with --strict and a warning), 65 with a message naming the file, the key "
+            "and the reason when not. The manifest's sections: " + _SECTIONS + "; every key with its type, "
+            "default and meaning: guard schema."
         ),
     )
-    check.add_argument("manifest", metavar="MANIFEST", help="path of the TOML manifest")
+    check.add_argument("manifest", metavar="MANIFEST", nargs="?",
+                       help=f"path of the TOML manifest (default: WORKSPACE/{DEFAULT_MANIFEST})")
+    check.add_argument("--workspace", metavar="DIR", help="the workspace to lint against (default: the top level "
+                       "of the git repository the current directory is in, else the current directory)")
+    check.add_argument("--strict", action="store_true", help="exit 65 when there is a warning")
 
-    mount = sub.add_parser(
-        "mount",
-        help="serve a guarded mount of BACKING at MOUNTPOINT in the foreground",
-        description=(
-            "Mount BACKING at MOUNTPOINT through guardfs and serve until SIGINT/SIGTERM or an "
-            "external unmount (fusermount3 -u), then unmount and exit 0. Without --manifest "
-            "the mount is read-only except git's internals."
-        ),
+    schema = sub.add_parser(
+        "schema",
+        help="print every manifest key with its type, default and meaning",
+        description="Print every key of the manifest, section by section, with its type, default and meaning, "
+                    "generated from the manifest's own model.",
     )
-    mount.add_argument("--manifest", metavar="M", help="scope manifest (TOML)")
-    mount.add_argument(
-        "--run-dir", metavar="D",
-        help="run the breaker daemon: agent.sock, control.sock, ledger.json, STATE.md and "
-             "events.jsonl in D (created if missing)",
-    )
-    mount.add_argument("--events", metavar="FILE", help="append events as JSON lines to FILE "
-                       "(default with --run-dir: D/events.jsonl)")
-    mount.add_argument(
-        "--cache-timeout", metavar="S", type=float, default=60.0,
-        help="seconds the kernel may cache entries and attributes (default 60)",
-    )
-    mount.add_argument("--xattrs", action="store_true",
-                       help="keep extended attributes on the mount (default: off; the kernel then skips the "
-                            "security.capability lookup it sends before every write, and tools get EOPNOTSUPP)")
-    mount.add_argument("backing", metavar="BACKING", help="the real workspace directory")
-    mount.add_argument("mountpoint", metavar="MOUNTPOINT", help="where the guarded view appears")
+    schema.add_argument("section", nargs="?", choices=_SECTION_NAMES, help="only this section")
+
+    _add_init(sub)
+
+    _add_mount(sub)
 
     run = sub.add_parser(
         "run",
@@ -108,13 +107,17 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Mount the workspace through guardfs with the breaker daemon, then run CMD isolated "
             "(bubblewrap: PID namespace, read-only host, private /tmp; Landlock; no_new_privs) "
-            "so that the workspace's own path shows the guarded mount. Exit status: the agent's "
+            "so that the workspace's own path shows the guarded mount. Without --manifest it obeys "
+            "guard.toml at the workspace's top level (guard init writes one). Exit status: the agent's "
             "own, 75 when a breaker trip stopped it, 64 bad usage, 65 invalid manifest, 69 FUSE "
             "or isolation unavailable, 70 internal error."
         ),
     )
-    run.add_argument("--manifest", metavar="M", required=True, help="scope manifest (TOML)")
-    run.add_argument("--workspace", metavar="DIR", help="the workspace (default: the current directory)")
+    run.add_argument("--manifest", metavar="M", help="scope manifest (TOML); default: guard.toml at the "
+                     "workspace's top level, as guard init writes it")
+    run.add_argument("--workspace", metavar="DIR", help="the workspace (default: the top level of the git "
+                     "repository the current directory is in, else the current directory; the agent starts "
+                     "in the current directory)")
     run.add_argument("--run-dir", metavar="D", help="run directory (default: a new one under "
                      "$XDG_STATE_HOME/guardfs/runs, or /var/lib/guardfs/runs with --user; printed at start)")
     run.add_argument("--ci", action="store_true", help="CI mode: a terminal trip stops the agent at "
@@ -209,7 +212,80 @@ def _parser() -> argparse.ArgumentParser:
         help="play a drifting agent against a real guarded mount of a sample repository",
         description="Build a sample repository, guard it, and show what a drifting agent meets.",
     )
+    for verb in sub.choices.values():
+        _accept_verbose(verb)
     return p
+
+
+def _add_mount(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """The ``mount`` verb's arguments."""
+    mount = sub.add_parser(
+        "mount",
+        help="serve a guarded mount of BACKING at MOUNTPOINT in the foreground",
+        description=(
+            "Mount BACKING at MOUNTPOINT through guardfs and serve until SIGINT/SIGTERM or an "
+            "external unmount (fusermount3 -u), then unmount and exit 0. Without --manifest "
+            "the mount is read-only except git's internals."
+        ),
+    )
+    mount.add_argument("--manifest", metavar="M", help="scope manifest (TOML)")
+    mount.add_argument(
+        "--run-dir", metavar="D",
+        help="run the breaker daemon: agent.sock, control.sock, ledger.json, STATE.md and "
+             "events.jsonl in D (created if missing)",
+    )
+    mount.add_argument("--events", metavar="FILE", help="append events as JSON lines to FILE "
+                       "(default with --run-dir: D/events.jsonl)")
+    mount.add_argument(
+        "--cache-timeout", metavar="S", type=float, default=60.0,
+        help="seconds the kernel may cache entries and attributes (default 60)",
+    )
+    mount.add_argument("--xattrs", action="store_true",
+                       help="keep extended attributes on the mount (default: off; the kernel then skips the "
+                            "security.capability lookup it sends before every write, and tools get EOPNOTSUPP)")
+    mount.add_argument("backing", metavar="BACKING", help="the real workspace directory")
+    mount.add_argument("mountpoint", metavar="MOUNTPOINT", help="where the guarded view appears")
+
+
+def _add_init(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """The ``init`` verb's arguments."""
+    init = sub.add_parser(
+        "init",
+        help="write a commented guard.toml for a task, from what the repository holds",
+        description=(
+            "Write guard.toml at the top level of the repository the current directory is in (else the "
+            "current directory): the task (GOAL, an id derived from it), where the agent may write "
+            "(--allow), the secrets found there (.env files, keys, credentials; never read), the "
+            "protected paths present (CI workflows, migrations, lockfiles; read, never written) and the "
+            "generated trees of the ecosystems found, each section commented. Validated as guard check "
+            "validates; never replaces an existing guard.toml without --force. Then: guard run -- AGENT."
+        ),
+    )
+    init.add_argument("--allow", metavar="PATTERN", action="append", default=[],
+                      help="where the agent may write: a gitignore-style pattern relative to the repository's "
+                           "top level, like src/checkout/ (repeat for more; none: a read-only task)")
+    init.add_argument("--id", dest="task_id", metavar="ID", help="the task's id (default: from GOAL's words)")
+    init.add_argument("--force", action="store_true", help="replace an existing guard.toml")
+    init.add_argument("--workspace", metavar="DIR", help="the repository (default: as guard run finds it)")
+    init.add_argument("goal", metavar="GOAL", help="what the agent is to do, in a sentence")
+
+
+def _version() -> str:
+    """The installed distribution's version (its metadata, as pip shows it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("guardfs")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def _accept_verbose(verb: argparse.ArgumentParser) -> None:
+    """-v after the verb as before it (guard run -v as guard -v run), unless the verb gives
+    -v a meaning of its own. SUPPRESS: absent after the verb, it leaves guard -v's value alone."""
+    if "-v" not in verb._option_string_actions:
+        verb.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                          help="log every denial to stderr (as guard -v VERB)")
 
 
 def _manifest(path: str | None) -> Manifest:
@@ -219,47 +295,90 @@ def _manifest(path: str | None) -> Manifest:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from guardfs.manifest import load_manifest
+    from guardfs.lint import lint
+    from guardfs.manifest import is_outside_secret, load_manifest
     from guardfs.policy import PathPolicy
+    from sandbox.launch.workspace import workspace_for
 
-    print(PathPolicy(load_manifest(args.manifest)).describe())
+    workspace = workspace_for(Path.cwd(), args.workspace)
+    if not workspace.is_dir():
+        raise UsageError(f"workspace {workspace} is not a directory; give the workspace with --workspace DIR")
+    path = Path(args.manifest) if args.manifest else workspace / DEFAULT_MANIFEST
+    if not args.manifest and not path.exists():
+        raise UsageError(f"no manifest: {path} does not exist (guard check reads it when no MANIFEST is given). "
+                         'Write one with guard init --allow DIR... "the task\'s goal", or name one: guard check '
+                         "MANIFEST")
+    manifest = load_manifest(path)
+    warnings = lint(manifest, workspace)
+    for warning in warnings:
+        print(f"warning: {warning}")
+    p = manifest.paths
+    secrets = len([s for s in p.secret if not is_outside_secret(s)]) + len(p.forbidden)
+    outside = len(p.secret) - len([s for s in p.secret if not is_outside_secret(s)])
+    print(f"{path}: valid; {len(p.allowed)} allowed, {secrets} secret"
+          + (f" (and {outside} outside the workspace)" if outside else "")
+          + f", {len(p.protected)} protected pattern(s); {len(warnings)} warning(s)"
+          + (" (--strict: refused)" if warnings and args.strict else ""))
+    if getattr(args, "verbose", False):  # guard -v check, or guard check -v
+        print()
+        print(PathPolicy(manifest).describe())
+    return Exit.DATAERR if warnings and args.strict else Exit.OK
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    from guardfs.schema import schema_text
+
+    print(schema_text(args.section))
     return Exit.OK
 
 
 def _cmd_mount(args: argparse.Namespace) -> int:
     manifest = _manifest(args.manifest)
-    for what, path in (("BACKING", args.backing), ("MOUNTPOINT", args.mountpoint)):
-        if not os.path.isdir(path):
-            raise UsageError(f"{what} {path} is not a directory; give an existing directory")
     if os.path.realpath(args.backing) == os.path.realpath(args.mountpoint):
         raise UsageError(f"BACKING and MOUNTPOINT are both {args.backing}; mount the workspace at another "
                          "(empty) directory")
     if args.cache_timeout < 0:
         raise UsageError(f"--cache-timeout must be >= 0 seconds, not {args.cache_timeout:g}")
     try:
-        from guardfs.mount import serve  # needs libfuse
+        from guardfs.mount import check_directory, check_fuse_available, check_mountpoint, serve  # needs libfuse
         from sandbox.session import Session
     except ImportError as err:
         raise MountError(f"libfuse 3 is not usable ({err}); install fuse3 and libfuse3-3") from err
+    check_directory("BACKING", args.backing)
+    # serve() checks these again; here before a run directory is made
+    check_mountpoint(args.mountpoint)
+    check_fuse_available()
     run_dir = Path(args.run_dir).resolve() if args.run_dir else None
+    made = run_dir is not None and not os.path.lexists(run_dir)
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
     from guardfs.events import EventLog
 
-    events = EventLog(args.events or (run_dir / "events.jsonl" if run_dir else None), caps=manifest.record)
+    ready: list[bool] = []  # an entry once the mount serves
+
+    def on_ready() -> None:
+        ready.append(True)
+        log.info("serving %s at %s", args.backing, args.mountpoint)
+
     try:
-        if run_dir is None:
-            with Session(manifest, args.backing, events, cache_timeout=args.cache_timeout,
-                         xattrs=args.xattrs) as session:
-                serve(session.fs, args.mountpoint,
-                      on_ready=lambda: log.info("serving %s at %s", args.backing, args.mountpoint))
-            return Exit.OK
-        return _mount_with_daemon(args, manifest, events, run_dir)
-    finally:
-        events.close()
+        events = EventLog(args.events or (run_dir / "events.jsonl" if run_dir else None), caps=manifest.record)
+        try:
+            if run_dir is None:
+                with Session(manifest, args.backing, events, cache_timeout=args.cache_timeout,
+                             xattrs=args.xattrs) as session:
+                    serve(session.fs, args.mountpoint, on_ready=on_ready)
+                return Exit.OK
+            return _mount_with_daemon(args, manifest, events, run_dir, on_ready)
+        finally:
+            events.close()
+    except BaseException:
+        if made and not ready and run_dir is not None:  # a refused start: the run directory held nothing yet
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
 
-def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: EventLog, run_dir: Path) -> int:
+def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: EventLog, run_dir: Path,
+                       on_ready: Callable[[], None]) -> int:
     import pyfuse3
 
     from guardfs.mount import serve
@@ -277,10 +396,24 @@ def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: Eve
         return Exit.USAGE
     try:
         print(f"guard: run directory {run_dir} (agent socket {session.daemon.agent_path})", file=sys.stderr)
-        serve(session.fs, args.mountpoint, companions=[session.daemon.run])
+        serve(session.fs, args.mountpoint, companions=[session.daemon.run], on_ready=on_ready)
     finally:
         session.close()
     return Exit.TRIPPED if session.breaker.state is State.OPEN_STOPPED else Exit.OK
+
+
+def _run_manifest(given: str | None, workspace: Path) -> Manifest:
+    """The manifest guard run obeys: --manifest, else guard.toml at the top of *workspace*."""
+    from guardfs.manifest import DEFAULT_MANIFEST, load_manifest
+
+    if given is not None:
+        return load_manifest(given)
+    default = workspace / DEFAULT_MANIFEST
+    if not default.exists():
+        raise UsageError(f"no {DEFAULT_MANIFEST} in the workspace {workspace}, and no --manifest given; write one "
+                         "with guard init --allow DIR \"GOAL\" (DIR: where the agent may write), or pass "
+                         "--manifest M")
+    return load_manifest(default)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -289,13 +422,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        raise UsageError("no command given; put the agent's command after --: guard run --manifest M -- CMD ARGS...")
-    from guardfs.manifest import load_manifest
+        raise UsageError("no command given; put the agent's command after --: guard run [--manifest M] -- CMD ARGS...")
+    from sandbox.launch.workspace import workspace_for
 
-    manifest = load_manifest(args.manifest)
-    workspace = Path(os.path.realpath(args.workspace or os.getcwd()))
+    workspace = workspace_for(Path.cwd(), args.workspace)  # the repository's top level, unless --workspace
     if not workspace.is_dir():
         raise UsageError(f"workspace {workspace} is not a directory; give the workspace with --workspace DIR")
+    manifest = _run_manifest(args.manifest, workspace)
     run_dir = Path(os.path.realpath(args.run_dir)) if args.run_dir else default_run_dir(
         manifest.task.id, SYSTEM_RUNS if args.user is not None else None)
     if run_dir.is_relative_to(workspace) or workspace.is_relative_to(run_dir):
@@ -460,16 +593,37 @@ def _cmd_feed(args: argparse.Namespace) -> int:
     return Exit.DATAERR if rejected else Exit.OK
 
 
+def _refuse_nested(verb: str) -> None:
+    """Inside a guard run's sandbox (which has no /dev/fuse, by design) say so, rather than
+    that the fuse module is missing."""
+    inside = next((name for name in ("GUARD_SOCKET", "GUARD_RUN_DIR") if os.environ.get(name)), None)
+    if inside is not None and not os.path.exists("/dev/fuse"):
+        raise UnavailableError(
+            f"guard {verb} cannot start here: this is the sandbox of a guard run ({inside} is set), "
+            "which has no /dev/fuse, so no guard can be started inside another. Start it outside "
+            "the sandbox, on the host; inside a run, guard exec -- CMD quarantines one tool command"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``guard``; returns the exit status."""
     args = _parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="guard: %(message)s",
     )
     try:
+        if args.verb in ("run", "mount"):
+            _refuse_nested(args.verb)
         if args.verb == "check":
             return _cmd_check(args)
+        if args.verb == "init":
+            from sandbox.init import InitOptions, init
+
+            return init(InitOptions(args.goal, args.allow, Path.cwd(), ident=args.task_id, force=args.force,
+                                    workspace=args.workspace))
+        if args.verb == "schema":
+            return _cmd_schema(args)
         if args.verb == "demo":
             from sandbox.demo import run_demo
 
