@@ -226,10 +226,11 @@ class Daemon:
         self.write_ledger()
 
     def cleanup(self) -> None:
-        """Remove the sockets; write the ledger one last time."""
+        """Write the ledger one last time; remove the sockets (in this order: a control socket
+        gone says the final ledger is there, for guard status --follow)."""
+        self.write_ledger()
         for path in (self.agent_path, self.control_path):
             path.unlink(missing_ok=True)
-        self.write_ledger()
 
     def snapshot(self) -> dict[str, Any]:
         """What the ledger holds: the breaker's snapshot, and the run's counts of denials and
