@@ -108,6 +108,9 @@ class Trip:
     step: int
     time: float
     reason: str
+    # The [limits] key that tripped (oscillation has two: max_rewrites, max_returns); None
+    # for a rule without one.
+    limit: str | None = None
 
 
 #: Distinct tool calls remembered for repetition (least recently made forgotten first).
@@ -236,10 +239,6 @@ class Breaker:
         if not verdict.allow:
             rule = Rule.BLAST_RADIUS if verdict.rule == "limits.max_files" else Rule.OSCILLATION
             return self._trip(rule, verdict.reason, verdict)
-        plan = request.rewrite
-        if plan is not None and plan.cycle:
-            reason = f"{plan.path} would return to an earlier version of itself (A→B→A)"
-            return self._trip(Rule.OSCILLATION, reason, Verdict(False, "oscillation", None, ERRNO_LIMIT, reason))
         if request.mutating:
             # The feedback a trip owes lands on the agent's own next write, never on git's
             # index or ref update (not counted): that would leave git half-done.
@@ -252,11 +251,14 @@ class Breaker:
         self.commit(request)
 
     def commit(self, request: Request) -> Effects:
-        """An allowed mutation landed: progress, unless it closed a content cycle (a trip,
-        whose effects are returned)."""
+        """An allowed mutation landed: progress, unless it was a return to an earlier version
+        past ``max_returns`` that no write judged before it landed (a trip, whose effects are
+        returned)."""
         plan = request.rewrite
-        if plan is not None and plan.cycle:
-            self._trip(Rule.OSCILLATION, f"{plan.path} returned to an earlier version of itself (A→B→A)", None)
+        if plan is not None and plan.over_returns(self.limits.max_returns):
+            self._trip(Rule.OSCILLATION, f"{plan.path} returned to an earlier version of itself, return "
+                       f"{plan.returns} (max_returns={self.limits.max_returns}): it flips between versions", None,
+                       limit="max_returns")
         elif request.where.scope.counted and not (plan is not None and plan.unchanged):
             self._changed_since_test = True
             self._progress()  # a write that leaves the content as it was is no progress
@@ -431,7 +433,7 @@ class Breaker:
         """Resume after a trip; optionally raise the limit that tripped to *raise_to*."""
         last = self.trips[-1] if self.trips else None
         if raise_to is not None:
-            key = RULES[last.rule].limit_key if last is not None else None
+            key = last.limit if last is not None else None
             if key is None:
                 return Reply(False, self.state, "approve --raise: the last trip has no numeric limit to raise")
             current = getattr(self.limits, key)
@@ -578,11 +580,15 @@ class Breaker:
         self._effects.clear()
         return effects
 
-    def _trip(self, rule: Rule, reason: str, refused: Verdict | None) -> Verdict:
+    def _trip(self, rule: Rule, reason: str, refused: Verdict | None, *, limit: str | None = None) -> Verdict:
         """Record a trip and move the state; returns the denial carrying the feedback.
 
-        *refused* is the operation being refused for it, if the trip has one.
+        *refused* is the operation being refused for it, if the trip has one; *limit*, the
+        [limits] key that tripped (default: the refusal's, else the rule's own).
         """
+        if limit is None:
+            limit = (refused.rule.removeprefix("limits.") if refused is not None and refused.rule.startswith("limits.")
+                     else RULES[rule].limit_key)
         err = refused.errno if refused is not None else ERRNO_LIMIT
         if self.state.terminal:
             return Verdict(False, f"breaker {self.state.value}", None, err, self.last_feedback or reason)
@@ -594,7 +600,7 @@ class Breaker:
             self.state = _OPEN_STATE[rule]
             self._refuse_next = False
             self._effects.add(Effect.FREEZE)
-        trip = Trip(rule, self.state, self._c.steps, self.now(), reason)
+        trip = Trip(rule, self.state, self._c.steps, self.now(), reason, limit)
         self.trips.append(trip)
         self._changed_since_test = False  # a change before the trip vouches for no test after it
         self.last_feedback = self.feedback(trip)
@@ -619,11 +625,12 @@ class Breaker:
                       "another violation halts the run.")
         return "\n".join([
             f"guard: refused: {printable(trip.reason)}",  # a name in it cannot break or forge lines
-            f"Rule: {trip.rule.value}" + (f" (limits.{key})" if (key := RULES[trip.rule].limit_key) else ""),
+            f"Rule: {trip.rule.value}" + (f" (limits.{trip.limit})" if trip.limit else ""),
             f"Task {m.task.id}: {m.task.goal}",
             f"Scope: writes only in {', '.join(m.paths.allowed) or 'nowhere (read-only)'}; "
-            + (f"never touch {', '.join(m.paths.forbidden)}." if m.paths.forbidden
-               else "no path is forbidden beyond the guard's own protections."),
+            + (f"never touch {', '.join(m.paths.workspace_secrets)}." if m.paths.workspace_secrets
+               else "no path is forbidden beyond the guard's own protections.")
+            + (f" Never write {', '.join(m.paths.protected)}." if m.paths.protected else ""),
             f"Used: {files} files, {self._c.tokens_total} tokens ({window} in the last {len(self._c.window)} "
             f"steps), step {self._c.steps}.",
             f"The way back: {RULES[trip.rule].way_back}",
@@ -652,7 +659,8 @@ class Breaker:
             "task": {"id": m.task.id, "goal": m.task.goal},
             "scope": {
                 "allowed": list(m.paths.allowed),
-                "forbidden": list(m.paths.forbidden),
+                "forbidden": list(m.paths.workspace_secrets),
+                "protected": list(m.paths.protected),
                 "invariants": [".guard/ is read-only", ".git/hooks/ is read-only",
                                ".git/config is read-only if it existed at the start",
                                f"git internals are {m.paths.git_internals}"],
