@@ -171,6 +171,22 @@ def test_a_refused_start_leaves_no_run_directory(tmp_path: Path) -> None:
     assert given.is_dir()
 
 
+def test_a_run_directory_too_deep_for_its_sockets_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (tmp_path / "m.toml").write_text('[task]\nid = "t"\ngoal = "g"\n')
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    env = {**os.environ, "XDG_STATE_HOME": str(deep)}
+    run = subprocess.run([sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(tmp_path / "m.toml"),
+                          "--", "true"], cwd=ws, capture_output=True, text=True, timeout=120, env=env)
+    mount = guard("mount", "--run-dir", str(deep / "run"), str(ws), str(tmp_path))
+    for proc in (run, mount):
+        assert proc.returncode == Exit.USAGE, proc.stderr
+        assert "too deep for its sockets" in proc.stderr and "shorter --run-dir" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert not deep.exists()  # no run directory was made for a start that could not be
+
+
 def test_run_without_a_manifest_says_how_to_get_one(tmp_path: Path) -> None:
     ws = tmp_path / "ws"
     ws.mkdir()
