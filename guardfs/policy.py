@@ -45,7 +45,7 @@ _GITIGNORE_RULE = "paths.generated_from_gitignore"
 GENERATED_KEYS = frozenset({GENERATED_RULE, _GITIGNORE_RULE})
 #: The manifest key of paths readable but never writable.
 PROTECTED_RULE = "paths.protected"
-_MANIFEST_RULE = f"built-in: the manifest ({DEFAULT_MANIFEST} at the workspace root) is read-only"
+_MANIFEST_RULE = f"built-in: a manifest ({DEFAULT_MANIFEST}, in any directory) is read-only"
 # A name standing in for a generated tree's own, to tell a pattern that names the tree from
 # one that only reaches into it through a wildcard: no pattern names it (patterns hold no
 # control characters in practice; one that did would only reach less).
@@ -281,7 +281,10 @@ class PathPolicy:
         secret = self._secret(probe, tree)
         if secret is not None:
             return secret
-        if path == DEFAULT_MANIFEST:
+        if path.rpartition("/")[2] == DEFAULT_MANIFEST and tree is None:
+            # Not only the root's: any directory can be a later run's workspace (one outside every
+            # repository, a repository the agent makes there with git init), whose guard run then
+            # reads the guard.toml there as its manifest. Generated trees are tools', not workspaces.
             return Classification(Scope.PROTECTED, _MANIFEST_RULE)
         role = git_role(path) if ".git" in path or path.endswith("HEAD") else None
         if path == ".git" or path.startswith(".git/"):
@@ -464,7 +467,7 @@ class PathPolicy:
             "  ('.venv/', 'node_modules/') unless it matches the tree as a whole or names it ('.venv/**/x')",
             "built-in protections:",
             f"  {GUARD_DIR}/              read-only (the guard's own files)",
-            f"  {DEFAULT_MANIFEST:<20} read-only (the manifest at the workspace root)",
+            f"  {DEFAULT_MANIFEST:<20} read-only, in any directory (a later run started there reads it)",
             "  .git/hooks/          read-only (git may create *.sample templates)",
             "  .git/config          read-only if it existed when the mount started",
             "  every repository (.git at any depth): .git/ and hooks/ never renamed, replaced",

@@ -178,7 +178,7 @@ def test_check_success_is_one_line_and_verbose_prints_the_compiled_policy(tmp_pa
     assert "precedence: built-in protections > paths.secret (and paths.forbidden) > paths.protected" in text
     assert "written to the run's scratch" in text and "refused quietly" not in text
     assert "protected (readable, never written; EROFS" in text and "  .github/workflows/" in text
-    assert "guard.toml           read-only (the manifest at the workspace root)" in text
+    assert "guard.toml           read-only, in any directory (a later run started there reads it)" in text
     assert "  ~/.config/x" in text
 
 

@@ -187,10 +187,14 @@ SITE = ".venv/lib/python3.11/site-packages"
         ("app/migrations/__pycache__/0001_initial.cpython-311.pyc", False, Scope.GENERATED_OUTSIDE,
          "paths.generated", "*.py[co]"),
         ("app/migrations/__pycache__", True, Scope.GENERATED_OUTSIDE, "paths.generated", "__pycache__/"),
-        # The manifest is read-only, whatever allowed says.
-        ("guard.toml", False, Scope.PROTECTED, "built-in: the manifest (guard.toml at the workspace root) is read-only",
+        # A manifest is read-only, whatever allowed says, in any directory (a later run's
+        # workspace may be any), but for a generated tree's (tools', never a workspace).
+        ("guard.toml", False, Scope.PROTECTED, "built-in: a manifest (guard.toml, in any directory) is read-only",
          None),
-        ("sub/guard.toml", False, Scope.ALLOWED, "paths.allowed", "**"),
+        ("sub/guard.toml", False, Scope.PROTECTED, "built-in: a manifest (guard.toml, in any directory) is read-only",
+         None),
+        ("sub/guard.toml.bak", False, Scope.ALLOWED, "paths.allowed", "**"),
+        ("node_modules/x/guard.toml", False, Scope.GENERATED, "paths.generated", "node_modules/"),
         # A pattern matching at any depth stops at a generated tree...
         (f"{SITE}/django/db/migrations", True, Scope.GENERATED, "paths.generated", ".venv/"),
         (f"{SITE}/django/db/migrations/__init__.py", False, Scope.GENERATED, "paths.generated", ".venv/"),
