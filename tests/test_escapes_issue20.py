@@ -6,12 +6,17 @@ as ``--user nobody``) and the host is checked afterwards.
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from .helpers import FIX_TAX
 from .hostile import hostile_run, hostile_workspace
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
@@ -46,3 +51,44 @@ def test_a_manifest_planted_in_a_subdirectory_is_refused(tmp_path: Path, user: s
     later = subprocess.run([sys.executable, "-m", "sandbox", "run", "--ci", "--", "true"], cwd=ws / "src/checkout",
                            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert later.returncode == 64 and "no guard.toml in the workspace" in later.stderr, later.stderr
+
+
+# ----- the agent's installation -------------------------------------------------------------------
+
+
+@pytest.fixture
+def deep_home() -> Iterator[Path]:
+    """A home two levels under /home (``/home/<group>/<user>``, as many sites lay them out)."""
+    top = Path(tempfile.mkdtemp(prefix="guardfs-h20-", dir="/home"))
+    try:
+        home = top / "u"
+        (home / ".ssh").mkdir(parents=True)
+        (home / ".ssh/id_rsa").write_text("PRIVATE KEY\n")
+        (home / "notes.txt").write_text("private notes\n")
+        yield home
+    finally:
+        shutil.rmtree(top)
+
+
+def test_an_agent_in_the_homes_own_bin_reveals_no_more_than_itself(tmp_path: Path, deep_home: Path) -> None:
+    """``~/bin/agent`` beside a ``~/lib`` (``n`` with N_PREFIX=~, ``make install PREFIX=~``) made the
+    home a prefix installation, bound whole into the sandbox: ``~/notes.txt`` was read."""
+    (deep_home / "lib").mkdir()
+    agent = deep_home / "bin/agent"
+    agent.parent.mkdir()
+    agent.write_text("#!/usr/bin/python3\nimport sys\nfor p in sys.argv[1:]:\n"
+                     "    try:\n        print(open(p).read(), end='')\n    except OSError as e:\n"
+                     "        print(p, type(e).__name__)\n")
+    agent.chmod(0o755)
+    ws = hostile_workspace(tmp_path)
+    (tmp_path / "manifest.toml").write_text(FIX_TAX)
+    env = {**os.environ, "HOME": str(deep_home), "PATH": f"{agent.parent}:{os.environ['PATH']}"}
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(tmp_path / "manifest.toml"),
+         "--run-dir", str(run_dir), "--", "agent", str(deep_home / "notes.txt"), str(deep_home / "lib")],
+        cwd=ws, env=env, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    out = (run_dir / "stdout.log").read_text()
+    assert "private notes" not in out
+    assert out == f"{deep_home / 'notes.txt'} FileNotFoundError\n{deep_home / 'lib'} FileNotFoundError\n", out

@@ -14,8 +14,10 @@ the home comes back.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import pwd
 import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -93,6 +95,26 @@ def _shared_prefix(prefix: str) -> bool:
 
 
 def package_root(real: str) -> str:
+    """The tree the real executable *real* runs from (:func:`_package_tree`), or the file alone
+    when that tree is or holds a home, this user's (``$HOME``, its password-database home) or a
+    tree the sandbox covers (``/tmp``): a home beside ``bin/`` and ``lib/`` (``n`` with
+    ``N_PREFIX=~``, ``make install PREFIX=~``) is no installation to show whole, wherever it is
+    (``_shared_prefix`` knows only ``/home/<user>`` and ``/root``)."""
+    tree = _package_tree(real)
+    if tree != real and any(_inside(home, tree) for home in _homes()):
+        return real
+    return tree
+
+
+def _homes() -> set[str]:
+    """The trees no installation is shown as: this user's homes, real paths, and /tmp."""
+    homes = {os.path.expanduser("~"), "/tmp"}
+    with contextlib.suppress(KeyError):
+        homes.add(pwd.getpwuid(os.geteuid()).pw_dir)
+    return {os.path.realpath(h) for h in homes if os.path.isabs(h)}
+
+
+def _package_tree(real: str) -> str:
     """The tree the real executable *real* runs from: a Python venv (the directory with
     ``pyvenv.cfg``), an npm package (below ``lib/node_modules`` of a prefix, the package; a
     project's ``node_modules``, all of it, dependencies being its siblings), a native installer's
