@@ -92,3 +92,29 @@ def test_an_agent_in_the_homes_own_bin_reveals_no_more_than_itself(tmp_path: Pat
     out = (run_dir / "stdout.log").read_text()
     assert "private notes" not in out
     assert out == f"{deep_home / 'notes.txt'} FileNotFoundError\n{deep_home / 'lib'} FileNotFoundError\n", out
+
+
+# ----- the guard's console ------------------------------------------------------------------------
+
+#: A directory name that, printed raw, retitles the human's terminal and forges a line of the guard.
+FORGED = "a\x1b]2;owned\x07\nguard: run summary (forged)\nb"
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_a_generated_tree_named_with_escapes_is_said_escaped(tmp_path: Path, user: str | None) -> None:
+    """A ``node_modules`` the agent made is bound natively by the next run, which says it on the
+    guard's stderr by its path: escapes and a newline in a directory above it reached the human's
+    terminal raw (a retitled window, a forged line of the guard); so did a set-user-ID file's."""
+    ws = hostile_workspace(tmp_path)
+    seen, _, proc = hostile_run(tmp_path, ws, user, f'''
+        attempt("mkdir", lambda: os.makedirs("src/checkout/" + {FORGED!r} + "/node_modules"))
+        attempt("write", lambda: open("src/checkout/" + {FORGED!r} + "/node_modules/x", "w").write("x"))
+        attempt("chmod", lambda: os.chmod("src/checkout/" + {FORGED!r} + "/node_modules/x", 0o4755))
+    ''')
+    assert seen == {"mkdir": None, "write": 1, "chmod": None}, (seen, proc.stderr)
+    (tmp_path / "next").mkdir()
+    _, _, proc = hostile_run(tmp_path / "next", ws, user, '''
+        attempt("chmod", lambda: os.chmod("src/checkout/" + {FORGED!r} + "/node_modules/x", 0o4755))
+    '''.replace("{FORGED!r}", repr(FORGED)))
+    assert "generated trees (written natively" in proc.stderr, proc.stderr  # said, so the test can fail
+    assert "\x1b" not in proc.stderr and "\nguard: run summary (forged)" not in proc.stderr, proc.stderr

@@ -496,10 +496,10 @@ def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: E
         _say(f"fast lanes are off: {err}; every path goes through the mount")
         return []
     for reason in lanes.skipped:
-        _say(f"fast lane left out: {reason}")
+        _say(f"fast lane left out: {printable(reason)}")
     if not lanes.trees:
         return []
-    _say(f"fast lanes (read natively, read-only, not seen by the breaker): {', '.join(lanes.trees)}")
+    _say(f"fast lanes (read natively, read-only, not seen by the breaker): {printable(', '.join(lanes.trees))}")
     events.emit("lanes", "", "allow", trees=lanes.trees)
     return argv
 
@@ -519,15 +519,17 @@ def _native_generated(opts: RunOptions, bwrap: str | None, stage: NativeStage, e
         _say(f"native generated trees are off: {err}; they go through the mount")
         return [], []
     for reason in native.skipped:
-        _say(f"generated tree left to the mount: {reason}")
+        _say(f"generated tree left to the mount: {printable(reason)}")
     for path in native.absent:
-        _say(f"generated tree {path} does not exist yet: " + (
+        _say(f"generated tree {printable(path)} does not exist yet: " + (
             "made during this run, it is bound natively once made" if private else
             "made during this run, it goes through the mount (bound natively from the next run on)"))
     if not native.trees:
         return [], []
     masked = len(native.masked_files) + len(native.masked_dirs)
-    _say(f"generated trees (written natively, not seen by the breaker): {', '.join(native.trees)}"
+    # The trees' paths (as every path below) are the agent's to name, in this run or an earlier one:
+    # escaped, so that no escape sequence or newline of theirs reaches the human's terminal.
+    _say(f"generated trees (written natively, not seen by the breaker): {printable(', '.join(native.trees))}"
          + (f"; {masked} forbidden path(s) masked inside" if masked else ""))
     events.emit("native", "", "allow", trees=native.trees, masked=masked)
     return argv, native.trees
@@ -541,13 +543,14 @@ def _midrun_binder(opts: RunOptions, bwrap: str | None, private: bool, events: E
         return None
     # RUN_DIR/scratch: where sandbox.session puts the scratch layer (generated output out of scope).
     rules = MidRunRules(opts.manifest, opts.workspace, planned, scratch=opts.run_dir / "scratch")
-    return MidRunBinder(rules, str(opts.workspace), events, _say, enabled=private)
+    # Its notices are one line each, naming trees the agent made: escaped whole.
+    return MidRunBinder(rules, str(opts.workspace), events, lambda text: _say(printable(text)), enabled=private)
 
 
 def _strip_set_id(opts: RunOptions, trees: list[str], events: EventLog) -> None:
     """Take set-user/group-ID off what the agent left in the native trees (sandbox.launch.native)."""
     for path in strip_set_id(opts.workspace.resolve(), trees):
-        _say(f"{path}: set-user-ID/set-group-ID removed (left by the agent in a native generated tree)")
+        _say(f"{printable(path)}: set-user-ID/set-group-ID removed (left by the agent in a native generated tree)")
         events.emit("chmod", path, "deny", rule="native_generated", reason="set-user-ID/set-group-ID removed")
 
 
