@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pathspec
 
+from guardfs.events import printable
 from guardfs.manifest import Manifest
 from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope, pattern_applies
 
@@ -47,8 +48,10 @@ class Lint:
     fix: str
 
     def __str__(self) -> str:
+        # The problem and the fix quote the workspace's file names, which the agent may have made
+        # (a previous run): escaped, so that none writes an escape sequence or a line of its own.
         where = f"{self.key} {self.pattern!r}" if self.pattern is not None else self.key
-        return f"{where}: {self.problem}\n  fix: {self.fix}"
+        return f"{where}: {printable(self.problem)}\n  fix: {printable(self.fix)}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ from pathlib import Path
 import pathspec
 
 from guardfs.errors import CantCreateError, UsageError
+from guardfs.events import printable
 from guardfs.lint import lint
 from guardfs.manifest import DEFAULT_GENERATED, DEFAULT_MANIFEST, parse_manifest
 from sandbox.exitcodes import Exit
@@ -185,8 +186,12 @@ def _anchored(path: str) -> str:
 
 
 def _toml(text: str) -> str:
-    """*text* as a TOML basic string (JSON's escapes are TOML's)."""
-    return json.dumps(text, ensure_ascii=False)
+    """*text* as a TOML basic string (JSON's escapes are TOML's). JSON leaves DEL and the C1
+    controls as they are: TOML refuses DEL, and a terminal showing the file may obey C1's CSI."""
+    return _C1.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(text, ensure_ascii=False))
+
+
+_C1 = re.compile("[\x7f-\x9f]")
 
 
 def _named(path: str) -> bool:
@@ -251,8 +256,9 @@ def _tracked_secret(plan: _Plan, path: str, pattern: str, what: str) -> None:
     """*path*, which *pattern* makes secret, is tracked by git: its content is in the history,
     so it is left out of the secrets (guard run would refuse to start), said and protected
     unless its name says it is a template."""
+    shown = printable(path)  # in the warnings: a name anyone may have made, escapes and all
     if not _named(path):
-        plan.warnings.append(f"git tracks {path!r}, which {pattern} makes secret; guard run will refuse to start "
+        plan.warnings.append(f"git tracks '{shown}', which {pattern} makes secret; guard run will refuse to start "
                              "until it is untracked (its name cannot be written as an exception)")
         return
     exception = "!" + _anchored(path)
@@ -265,9 +271,9 @@ def _tracked_secret(plan: _Plan, path: str, pattern: str, what: str) -> None:
         return
     plan.protected.append(_Entry(_anchored(path), f"tracked by git, so it cannot be secret ({what})"))
     plan.warnings.append(
-        f"git tracks {path}, which looks like a secret ({what}): its content is in the repository's history "
-        f"(git show HEAD:{path}), so it cannot be kept secret; it is protected (read-only) instead. If it is "
-        f"a real secret, remove it from git's history, then drop the '{exception}' line")
+        f"git tracks {shown}, which looks like a secret ({what}): its content is in the repository's history "
+        f"(git show HEAD:{shown}), so it cannot be kept secret; it is protected (read-only) instead. If it is "
+        f"a real secret, remove it from git's history, then drop the '{printable(exception)}' line")
 
 
 def _plan_protected(plan: _Plan, root: Path, found: Survey) -> None:
@@ -363,7 +369,9 @@ def render(goal: str, ident: str, allowed: Sequence[str], plan: _Plan) -> str:
         "# Never read, never written, even inside `allowed`: keys, credentials, .env files.",
     ]
     if plan.secret_found:
-        lines += _comment(f"Found here: {_list(plan.secret_found)}.")
+        # Their names are anyone's (an agent's, an earlier run's): escaped, or a control character
+        # would make the comment invalid TOML, and guard init refuse to write the manifest.
+        lines += _comment(f"Found here: {_list([printable(p) for p in plan.secret_found])}.")
     lines.append("# Git may not track a secret (guard run refuses to start): see forbidden_in_git.")
     lines += _array("secret", plan.secret)
     if plan.secret_absent:

@@ -118,3 +118,37 @@ def test_a_generated_tree_named_with_escapes_is_said_escaped(tmp_path: Path, use
     '''.replace("{FORGED!r}", repr(FORGED)))
     assert "generated trees (written natively" in proc.stderr, proc.stderr  # said, so the test can fail
     assert "\x1b" not in proc.stderr and "\nguard: run summary (forged)" not in proc.stderr, proc.stderr
+
+
+# ----- guard init in a repository the agent touched -----------------------------------------------
+
+#: A file name ending as a key's would (``*.pem``, ``id_rsa*``), and escapes before it.
+KEY_NAME = "k\x1b]2;owned\x07\rguard: forged"
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_guard_init_after_the_agent_named_keys_with_escapes(tmp_path: Path, user: str | None) -> None:
+    """The agent leaves keys named with escapes in scope, one of them added to git; the human then
+    runs ``guard init`` there. The names were written raw into the manifest's comment (invalid TOML:
+    guard init refused to write it) and into its warnings (the human's terminal retitled, a line
+    forged by a carriage return)."""
+    ws = hostile_workspace(tmp_path)
+    subprocess.run(["git", "init", "-q"], cwd=ws, check=True)
+    seen, _, proc = hostile_run(tmp_path, ws, user, f'''
+        import subprocess
+        attempt("pem", lambda: open("src/checkout/" + {KEY_NAME!r} + ".pem", "w").write("x"))
+        attempt("key", lambda: open("src/checkout/id_rsa" + {KEY_NAME!r}, "w").write("x"))
+        attempt("del", lambda: open("src/checkout/id_rsa_\x7f", "w").write("x"))  # a name patterns can hold
+        attempt("add", lambda: subprocess.run(["git", "add", "src/checkout/id_rsa" + {KEY_NAME!r},
+                                               "src/checkout/id_rsa_\x7f"]).returncode)
+    ''')
+    assert seen == {"pem": 1, "key": 1, "del": 1, "add": 0}, (seen, proc.stderr)
+    init = subprocess.run([sys.executable, "-m", "sandbox", "init", "--allow", "src/checkout/", "fix the tax"],
+                          cwd=ws, capture_output=True, text=True, timeout=60)
+    assert init.returncode == 0, init.stderr
+    assert "src/checkout/id_rsak" in init.stderr, init.stderr  # warned, so the test can fail
+    for text in (init.stdout, init.stderr, (ws / "guard.toml").read_text()):
+        assert "\x1b" not in text and "\r" not in text and "\x7f" not in text, text
+    check = subprocess.run([sys.executable, "-m", "sandbox", "check"], cwd=ws, capture_output=True, text=True,
+                           timeout=60)
+    assert check.returncode == 0 and "\x1b" not in check.stdout + check.stderr, check.stdout + check.stderr
