@@ -63,6 +63,9 @@ class FileRecord:
     returns: int = 0  # returns to an earlier version of this history (git's exempt ones aside)
     # Deleted by the agent and not written since: its next content is a creation.
     reborn: bool = False
+    # The version the file held when the agent last deleted it: made again with another
+    # content, the file changed across the delete, a rewrite counted at once (see plan_rewrite).
+    gone: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +148,12 @@ class WriteAccounting:
         analysable = new is not None and len(new) <= MAX_ANALYSED_BYTES and (
             old is None or len(old) <= MAX_ANALYSED_BYTES
         )
-        if not old and _creating(rec):
+        new_hash = content_hash(new) if new is not None else None
+        # A file made again with the content it was deleted with is no change (echo x > f; rm f;
+        # echo x > f, over and over); with another, it is a rewrite of its units from nothing, or
+        # `rm f && cat > f` would flip a file between versions forever, never counted.
+        changed_across_delete = rec.reborn and rec.gone is not None and new_hash != rec.gone
+        if not old and _creating(rec) and not changed_across_delete:
             pass  # the creating write: analysed lazily, see FileRecord.creation_pending
         elif analysable:
             assert new is not None
@@ -161,7 +169,6 @@ class WriteAccounting:
                 counts[f"lines {lo}-{hi}"] = (base.regions[slot][2] if slot is not None else 0) + 1
         else:  # too large to analyse: the whole file is the unit
             counts["file"] = rec.rewrites + 1
-        new_hash = content_hash(new) if new is not None else None
         history = rec.hashes or ([content_hash(old)] if old is not None else [])
         returning = new_hash is not None and new_hash in history[:-1] and new_hash != history[-1]
         unchanged = new_hash is not None and bool(history) and new_hash == history[-1]
@@ -215,6 +222,7 @@ class WriteAccounting:
         rec = self.files.get(path)
         if rec is None:
             return
+        rec.gone = rec.hashes[-1] if rec.hashes else None
         rec.hashes.clear()
         rec.restored.clear()
         rec.returns = 0

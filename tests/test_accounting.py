@@ -147,16 +147,28 @@ def test_a_file_deleted_and_made_again_starts_a_new_history() -> None:
     _write(acct, "f.txt", x, y)
     lines = acct.files["f.txt"].regions[0][2]
     acct.removed("f.txt")
-    again = _write(acct, "f.txt", b"", x)  # made again with its first content
-    assert again.returns is None and again.counts == {}  # a creation: counted at its next rewrite
+    again = _write(acct, "f.txt", b"", x)  # made again with its first content, not the one deleted (y)
+    assert again.returns is None and again.counts == {"lines 1-1": lines + 1}  # it changed across the delete
     assert acct.files["f.txt"].hashes == [content_hash(b""), content_hash(x)]
-    assert acct.files["f.txt"].regions[0][2] == lines  # deleting wipes no count
-    assert _write(acct, "f.txt", x, y).counts == {"lines 1-1": lines + 2}  # its creation, then this
+    assert acct.files["f.txt"].regions[0][2] == lines + 1  # deleting wipes no count
+    assert _write(acct, "f.txt", x, y).counts == {"lines 1-1": lines + 2}
     assert acct.distinct == 1
     # The new history is judged like any other: A -> B -> A -> B is still two returns.
     assert _write(acct, "f.txt", y, x).returns == 1
     assert acct.plan_rewrite("f.txt", x, y).returns == 2
     acct.removed("unknown.txt")  # never counted: nothing to end
+    # Made again as it was deleted, over and over: no change, nothing counted (a creation).
+    acct.touch("g.txt", created=True)
+    for _ in range(5):
+        assert _write(acct, "g.txt", b"", x).counts == {}
+        acct.removed("g.txt")
+    assert not acct.files["g.txt"].regions
+    # Made again as the other of two versions, each time: a rewrite each, so a flip still trips.
+    flips = []
+    for version in (y, x, y):
+        flips.append(_write(acct, "g.txt", b"", version).counts)
+        acct.removed("g.txt")
+    assert flips == [{"lines 1-1": n} for n in (1, 2, 3)]
 
 
 def test_truncation_is_no_version() -> None:

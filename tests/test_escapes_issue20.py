@@ -152,3 +152,27 @@ def test_guard_init_after_the_agent_named_keys_with_escapes(tmp_path: Path, user
     check = subprocess.run([sys.executable, "-m", "sandbox", "check"], cwd=ws, capture_output=True, text=True,
                            timeout=60)
     assert check.returncode == 0 and "\x1b" not in check.stdout + check.stderr, check.stdout + check.stderr
+
+
+# ----- oscillation's new history rules ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_deleting_between_flips_does_not_launder_an_oscillation(tmp_path: Path, user: str | None) -> None:
+    """A deleted file starts a new history (no return to what it held), but its counts toward
+    max_rewrites stay: the agent flipping ``tax.py`` between two versions with an ``rm`` before
+    each write (``rm f && cat > f``) was never counted at all, each write a "creation", and
+    flipped it 24 times without a trip. Its rewrites count: the fourth trips (max_rewrites 3)."""
+    ws = hostile_workspace(tmp_path)
+    seen, events, proc = hostile_run(tmp_path, ws, user, '''
+        def flip(version):
+            with open("src/checkout/tax.py", "w") as f:
+                f.write(f"def total(x):\\n    return round(x, {version})\\n")
+            os.unlink("src/checkout/tax.py")
+            return version
+        for i in range(24):
+            attempt(f"flip{i}", lambda: flip(i % 2))
+    ''')
+    told = [name for name, got in seen.items() if got == "EDQUOT"]
+    assert told and told[0] == "flip3", (seen, proc.stderr)
+    assert [e["rule"] for e in events if e["op"] == "trip"][:1] == ["oscillation"], events
