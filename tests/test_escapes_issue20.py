@@ -176,3 +176,37 @@ def test_deleting_between_flips_does_not_launder_an_oscillation(tmp_path: Path, 
     told = [name for name, got in seen.items() if got == "EDQUOT"]
     assert told and told[0] == "flip3", (seen, proc.stderr)
     assert [e["rule"] for e in events if e["op"] == "trip"][:1] == ["oscillation"], events
+
+
+# ----- credential stores --------------------------------------------------------------------------
+
+READER = ("import sys\nfor p in sys.argv[1:]:\n    try:\n        print(p, open(p).read(), end='')\n"
+          "    except OSError as e:\n        print(p, type(e).__name__)\n")
+
+
+def test_a_readable_path_into_a_credential_store_stays_masked(tmp_path: Path, deep_home: Path) -> None:
+    """``[sandbox] readable`` naming a file inside a credential store, directly or through a symlink
+    (one left in a directory the agent may write, a state directory, for the next run to follow):
+    its real path was bound, inside the store, and the store's mask was left out (it masked a
+    store only when the store lay inside a shown tree, not a shown tree inside the store)."""
+    (deep_home / ".aws").mkdir()
+    (deep_home / ".aws/credentials").write_text("AWS KEY\n")
+    (deep_home / ".config/agent").mkdir(parents=True)
+    (deep_home / ".config/agent/token").symlink_to("../../.aws/credentials")
+    ws = hostile_workspace(tmp_path)
+    (tmp_path / "manifest.toml").write_text(
+        FIX_TAX + '[sandbox]\nreadable = ["~/.config/agent/token", "~/.ssh/id_rsa"]\n')
+    env = {**os.environ, "HOME": str(deep_home)}
+    run_dir = tmp_path / "run"
+    python3 = shutil.which("python3", path="/usr/bin:/bin")
+    assert python3 is not None
+    proc = subprocess.run(
+        [sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(tmp_path / "manifest.toml"),
+         "--run-dir", str(run_dir), "--", python3, "-c", READER, str(deep_home / ".config/agent/token"),
+         str(deep_home / ".aws/credentials"), str(deep_home / ".ssh/id_rsa")],
+        cwd=ws, env=env, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    out = (run_dir / "stdout.log").read_text()
+    assert "AWS KEY" not in out and "PRIVATE KEY" not in out, out
+    assert f"{deep_home / '.aws'}, {deep_home / '.ssh'}" in proc.stderr or \
+        f"{deep_home / '.ssh'}, {deep_home / '.aws'}" in proc.stderr, proc.stderr  # said masked

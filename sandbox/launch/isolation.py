@@ -182,14 +182,15 @@ def _under(path: str, trees: Iterable[str]) -> bool:
 
 def visible_secrets(paths: Iterable[str], covered: Sequence[str], shown: Sequence[str], workspace: str) -> list[str]:
     """Those of *paths* (credential stores: :func:`guardfs.manifest.outside_secrets`) that exist
-    and that the sandbox would show: outside every *covered* tree (an empty tmpfs: the homes,
-    /tmp), or inside one of the *shown* trees bound back (an agent user's home, a writable or
-    readable directory, an installation). Those are the ones to mask; inside the workspace the
-    mount and the manifest decide."""
+    and that the sandbox would show, whole or in part: outside every *covered* tree (an empty
+    tmpfs: the homes, /tmp), inside one of the *shown* trees bound back (an agent user's home, a
+    writable or readable directory, an installation), or holding one (``[sandbox] readable``
+    naming a file in ``~/.aws``, or a symlink resolving there). Those are the ones to mask;
+    inside the workspace the mount and the manifest decide."""
     out = []
     for path in dict.fromkeys(os.path.normpath(p) for p in paths):
         if os.path.lexists(path) and not _under(path, [workspace]) and (
-                not _under(path, covered) or _under(path, shown)):
+                not _under(path, covered) or _under(path, shown) or any(_under(t, [path]) for t in shown)):
             out.append(path)
     return out
 
