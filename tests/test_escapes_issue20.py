@@ -210,3 +210,30 @@ def test_a_readable_path_into_a_credential_store_stays_masked(tmp_path: Path, de
     assert "AWS KEY" not in out and "PRIVATE KEY" not in out, out
     assert f"{deep_home / '.aws'}, {deep_home / '.ssh'}" in proc.stderr or \
         f"{deep_home / '.ssh'}, {deep_home / '.aws'}" in proc.stderr, proc.stderr  # said masked
+
+
+def test_a_credential_store_that_is_a_symlink_is_masked_where_it_leads(tmp_path: Path, deep_home: Path) -> None:
+    """``~/.ssh`` a symlink to a directory the sandbox shows (keys kept on another disk, a home
+    that is itself a link, as /home -> /var/home): ``~/.ssh`` lay under the covered /home, so
+    nothing was masked, and the keys were read where the link leads."""
+    keys = Path(tempfile.mkdtemp(prefix="guardfs-h20-keys-", dir="/var/tmp"))
+    try:
+        shutil.rmtree(deep_home / ".ssh")
+        (keys / "id_rsa").write_text("PRIVATE KEY\n")
+        (deep_home / ".ssh").symlink_to(keys)
+        ws = hostile_workspace(tmp_path)
+        (tmp_path / "manifest.toml").write_text(FIX_TAX)
+        run_dir = tmp_path / "run"
+        python3 = shutil.which("python3", path="/usr/bin:/bin")
+        assert python3 is not None
+        proc = subprocess.run(
+            [sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(tmp_path / "manifest.toml"),
+             "--run-dir", str(run_dir), "--", python3, "-c", READER, str(keys / "id_rsa")],
+            cwd=ws, env={**os.environ, "HOME": str(deep_home)}, capture_output=True, text=True, timeout=180,
+            stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr
+        out = (run_dir / "stdout.log").read_text()
+        assert out == f"{keys / 'id_rsa'} PermissionError\n", out
+        assert (keys / "id_rsa").read_text() == "PRIVATE KEY\n"
+    finally:
+        shutil.rmtree(keys)

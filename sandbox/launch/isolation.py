@@ -186,9 +186,11 @@ def visible_secrets(paths: Iterable[str], covered: Sequence[str], shown: Sequenc
     tmpfs: the homes, /tmp), inside one of the *shown* trees bound back (an agent user's home, a
     writable or readable directory, an installation), or holding one (``[sandbox] readable``
     naming a file in ``~/.aws``, or a symlink resolving there). Those are the ones to mask;
-    inside the workspace the mount and the manifest decide."""
+    inside the workspace the mount and the manifest decide. A store that is a symlink (or lies
+    below one, a home that is a link) is judged, and masked, where it leads as well: the sandbox
+    shows that too (``~/.ssh`` -> ``/data/keys``, under a covered home, is read at ``/data/keys``)."""
     out = []
-    for path in dict.fromkeys(os.path.normpath(p) for p in paths):
+    for path in dict.fromkeys(q for p in paths for q in (os.path.normpath(p), os.path.realpath(p))):
         if os.path.lexists(path) and not _under(path, [workspace]) and (
                 not _under(path, covered) or _under(path, shown) or any(_under(t, [path]) for t in shown)):
             out.append(path)
