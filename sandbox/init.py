@@ -401,10 +401,11 @@ def render(goal: str, ident: str, allowed: Sequence[str], plan: _Plan) -> str:
 
 def _validate(text: str, source: str, root: Path, plan: _Plan) -> list[str]:
     """Refuse what guard check refuses (ManifestError, 65, naming the key); return its lints,
-    but for those about what guard init chose knowing it: a secret or protected pattern of
-    its own that stops at a generated tree (Django's migrations inside .venv/ stay writable)."""
+    but for those about what guard init chose knowing it: a protected pattern of its own that
+    stops at a generated tree (Django's migrations inside .venv/ stay writable). A secret one
+    is said: what it leaves readable there may be a copy of the secret (a build's dist/.env)."""
     manifest = parse_manifest(text, source)
-    ours = {("paths.secret", e.pattern) for e in plan.secret} | {("paths.protected", e.pattern) for e in plan.protected}
+    ours = {("paths.protected", e.pattern) for e in plan.protected}
     return [str(w) for w in lint(manifest, root)
             if not ((w.key, w.pattern) in ours and "generated tree" in w.problem)]
 

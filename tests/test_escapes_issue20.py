@@ -237,3 +237,21 @@ def test_a_credential_store_that_is_a_symlink_is_masked_where_it_leads(tmp_path:
         assert (keys / "id_rsa").read_text() == "PRIVATE KEY\n"
     finally:
         shutil.rmtree(keys)
+
+
+def test_guard_init_says_a_secret_copied_into_a_build_tree_stays_readable(tmp_path: Path) -> None:
+    """A build that copies ``.env`` into ``dist/`` (a generated tree, which ``.env*`` does not reach
+    into): guard check warned that ``dist/.env`` stays readable, guard init dropped that warning as
+    one about its own choice (it means the migrations of a venv), and the agent read the copy."""
+    repo = tmp_path / "repo"
+    (repo / "src").mkdir(parents=True)
+    (repo / "dist").mkdir()
+    (repo / "src/app.py").write_text("x = 1\n")
+    for env in (".env", "dist/.env"):
+        (repo / env).write_text("SECRET=hunter2\n")
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    init = subprocess.run([sys.executable, "-m", "sandbox", "init", "--allow", "src/", "fix it"], cwd=repo,
+                          capture_output=True, text=True, timeout=60)
+    assert init.returncode == 0, init.stderr
+    assert "guard init: warning: paths.secret '.env*': matches 1 path(s) inside the generated tree dist/ " \
+           "(e.g. dist/.env)" in init.stderr and "'dist/**/.env*'" in init.stderr, init.stderr
