@@ -150,3 +150,52 @@ def reports(log: Path) -> list[dict[str, Any]]:
 def run_events(run_dir: Path) -> list[dict[str, Any]]:
     """Every event of the run whose directory is *run_dir*."""
     return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+#: django-taggit, the third-party repository of a new user's first hour (tests/test_first_hour.py).
+TAGGIT_VERSION = "5.0.1"
+#: What its own test suite needs (its tox.ini: Django 4.2 and Django REST framework).
+TAGGIT_TEST_REQUIREMENTS = ("Django>=4.2,<5", "djangorestframework")
+
+
+def taggit_sources() -> tuple[Path, Path]:
+    """django-taggit's sdist and a wheelhouse of what its test suite needs, downloaded from PyPI
+    into ``.cache/taggit-<version>/`` on first use (later runs are offline); skipped, with pip's
+    words, where PyPI cannot be reached."""
+    import sys
+
+    cache = CLI_CACHE / f"taggit-{TAGGIT_VERSION}"
+    wheelhouse = cache / "wheelhouse"
+    CLI_CACHE.mkdir(exist_ok=True)
+    with open(CLI_CACHE / f"taggit-{TAGGIT_VERSION}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (cache / "complete").exists():
+            for args in (["--no-deps", "--no-binary", ":all:", f"django-taggit=={TAGGIT_VERSION}", "-d", str(cache)],
+                         ["--only-binary", ":all:", *TAGGIT_TEST_REQUIREMENTS, "-d", str(wheelhouse)]):
+                proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", *args],
+                                      capture_output=True, text=True, timeout=900)
+                if proc.returncode != 0:
+                    pytest.skip(f"PyPI is unreachable or refused the download: {proc.stderr.strip()[-300:]}")
+            (cache / "complete").touch()
+    return next(cache.glob("django*taggit-*.tar.gz")), wheelhouse
+
+
+def npm_tarballs(specs: list[str], cache_name: str) -> list[Path]:
+    """The npm packages *specs* (``name@version``) as tarballs in ``.cache/<cache_name>/``, packed
+    from the npm registry (or npm's own cache) on first use, for tests that install them the
+    way a user does (``npm install -g``); skipped, with npm's words, where they cannot be."""
+    folder = CLI_CACHE / cache_name
+    CLI_CACHE.mkdir(exist_ok=True)
+    with open(CLI_CACHE / f"{cache_name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "complete").exists():
+            if shutil.which("npm") is None:
+                pytest.skip(f"npm is not installed: cannot fetch {', '.join(specs)}")
+            folder.mkdir(parents=True, exist_ok=True)
+            proc = subprocess.run(["npm", "pack", "--json", "--pack-destination", str(folder), *specs],
+                                  capture_output=True, text=True, timeout=900)
+            if proc.returncode != 0:
+                pytest.skip(f"the npm registry is unreachable or refused the download: {proc.stderr.strip()[-300:]}")
+            names = [packed["filename"] for packed in json.loads(proc.stdout)]
+            (folder / "complete").write_text("\n".join(names) + "\n")
+    return [folder / name for name in (folder / "complete").read_text().split()]
