@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from guardfs.errors import ManifestError
-from guardfs.manifest import load_manifest, parse_manifest
+from guardfs.manifest import DEFAULT_HOME_SECRETS, load_manifest, outside_secrets, parse_manifest
 
 MANIFESTS = Path(__file__).parent.parent / "manifests"
 HEAD = '[task]\nid = "t"\ngoal = "g"\n'
@@ -61,6 +61,14 @@ INVALID = {
     "bad id": ('[task]\nid = "no spaces allowed"\ngoal = "g"\n', "task.id", "should match pattern"),
     "bad git setting": (HEAD + '[paths]\ngit_internals = "maybe"\n', "paths.git_internals", "or 'read-only'"),
     "not toml": ("[task\nid=", "", "not valid TOML"),
+    "over-broad secret": (HEAD + "[paths]\nsecret = [\"**\"]\n", "paths.secret[0]", "over-broad"),
+    "glob outside": (HEAD + "[paths]\nsecret = [\"~/.ssh/*\"]\n", "paths.secret[0]", "is a literal path"),
+    "dotdot outside": (HEAD + "[paths]\nsecret = [\"/etc/../root\"]\n", "paths.secret[0]", "'..' component"),
+    "whole home": (HEAD + "[paths]\nsecret = [\"~/\"]\n", "paths.secret[0]", "whole home"),
+    "whole root": (HEAD + "[paths]\nsecret = [\"/\"]\n", "paths.secret[0]", "whole filesystem"),
+    "over-broad protected": (HEAD + "[paths]\nprotected = [\"*\"]\n", "paths.protected[0]", "read-only workspace"),
+    "protected git": (HEAD + "[paths]\nprotected = [\".git/hooks/\"]\n", "paths.protected[0]", "git_internals"),
+    "protected escapes": (HEAD + "[paths]\nprotected = [\"../x\"]\n", "paths.protected[0]", "escapes"),
 }
 
 
@@ -106,3 +114,26 @@ def test_check_usage_errors_exit_64() -> None:
     assert guard("frobnicate").returncode == 64
     proc = guard("check", "--help")
     assert proc.returncode == 0 and "max_files" in proc.stdout
+
+
+def test_secret_and_forbidden_are_one_class_named_by_their_keys() -> None:
+    paths = parse_manifest(HEAD + '[paths]\nsecret = [".env*", "~/.config/acme/token", "/etc/acme.key"]\n'
+                           'forbidden = ["**/*.pem"]\n').paths
+    assert paths.secret_patterns == [("paths.secret", ".env*"), ("paths.forbidden", "**/*.pem")]
+    assert paths.workspace_secrets == [".env*", "**/*.pem"]
+
+
+def test_outside_secrets_follow_the_defaults_expanded_against_the_agents_home() -> None:
+    secrets = '".env", "~/.config/acme/token/", "/etc/acme.key", "~/.ssh"'
+    paths = parse_manifest(HEAD + f"[paths]\nsecret = [{secrets}]\n").paths
+    out = outside_secrets(paths, "/home/agent")
+    defaults = [f"/home/agent/{name}" for name in DEFAULT_HOME_SECRETS]
+    assert out[:len(defaults)] == defaults  # ~/.ssh is a default already: named once
+    assert out[len(defaults):] == ["/home/agent/.config/acme/token", "/etc/acme.key"]
+    assert outside_secrets(parse_manifest(HEAD).paths, "/root") == [f"/root/{n}" for n in DEFAULT_HOME_SECRETS]
+
+
+def test_protected_is_a_list_of_patterns() -> None:
+    paths = parse_manifest(HEAD + '[paths]\nprotected = [".github/workflows/", "**/migrations/"]\n').paths
+    assert paths.protected == [".github/workflows/", "**/migrations/"]
+    assert parse_manifest(HEAD).paths.protected == []
