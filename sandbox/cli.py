@@ -148,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     exe.add_argument("command", metavar="CMD", nargs=argparse.REMAINDER, help="the command, after --")
 
     for name, text in (
-        ("status", "print the breaker's state and the ledger of a running guard"),
+        ("status", "print the breaker's state and the ledger of a run: live, or once it ended, from its ledger.json"),
         ("approve", "resume a run after a trip (optionally raising the limit that tripped)"),
         ("stop", "stop a run"),
         ("checkpoint", "mark a known-good point in a run"),
@@ -157,9 +157,14 @@ def _parser() -> argparse.ArgumentParser:
                      "after the run ended"),
     ):
         cmd = sub.add_parser(name, help=text, description=text + " (over the control socket in D).")
-        cmd.add_argument("--run-dir", metavar="D", required=True, help="the run directory of the guard")
         if name == "status":
+            cmd.add_argument("--run-dir", metavar="D", help="the run directory (default: the latest guard run "
+                             "of this workspace: the git top level of the current directory, else the directory)")
             cmd.add_argument("--json", action="store_true", help="print the ledger as JSON")
+            cmd.add_argument("--follow", action="store_true", help="print a line per change of the breaker's "
+                             "state until the run ends, then its last state; exits 0")
+        else:
+            cmd.add_argument("--run-dir", metavar="D", required=True, help="the run directory of the guard")
         if name == "approve":
             cmd.add_argument("--raise", dest="raise_to", metavar="N", type=int,
                              help="new value for the limit that tripped (must be higher)")
@@ -384,14 +389,19 @@ def _say_rolled_back(run_dir: Path, to: str) -> int:
 
 def _cmd_control(args: argparse.Namespace) -> int:
     from sandbox.breaker.client import GuardClient, GuardClientError, GuardUnreachable, control_socket_path
-    from sandbox.breaker.ledger import render_state
 
+    if args.verb == "status":
+        from sandbox.status import latest_run, show_status, this_workspace
+
+        run_dir = Path(args.run_dir) if args.run_dir else latest_run(this_workspace())
+        try:
+            return show_status(run_dir, as_json=args.json, follow=args.follow, out=sys.stdout)
+        except GuardClientError as err:  # the guard answered, and refused the request
+            raise type(err)(f"the guard in run directory {run_dir} refused status: {err}") from err
     run_dir = Path(args.run_dir)
     try:
         with GuardClient(control_socket_path(run_dir)) as guard:
-            if args.verb == "status":
-                reply = guard.status()
-            elif args.verb == "approve":
+            if args.verb == "approve":
                 reply = guard.approve(args.raise_to)
             elif args.verb == "stop":
                 reply = guard.stop()
@@ -407,9 +417,6 @@ def _cmd_control(args: argparse.Namespace) -> int:
         raise type(err)(f"the guard in run directory {run_dir} refused {args.verb}: {err}") from err
     if args.verb == "rollback":
         return _say_rolled_back(run_dir, args.to)
-    if args.verb == "status":
-        print(json.dumps(reply["ledger"], indent=2) if args.json else render_state(reply["ledger"]), end="")
-        return Exit.OK
     print(f"state: {reply['state']}")
     if not reply.get("allow", True) and args.verb == "approve":
         raise UsageError(reply.get("feedback", "refused"))
