@@ -58,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
             "75 the run was stopped"
         ),
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="log every denial to stderr")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every denial to stderr (also after the verb)")
+    p.add_argument("--version", action="version", version=f"guard (guardfs) {_version()}")
     sub = p.add_subparsers(dest="verb", required=True, parser_class=_Parser)
 
     check = sub.add_parser(
@@ -108,12 +109,14 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Mount the workspace through guardfs with the breaker daemon, then run CMD isolated "
             "(bubblewrap: PID namespace, read-only host, private /tmp; Landlock; no_new_privs) "
-            "so that the workspace's own path shows the guarded mount. Exit status: the agent's "
+            "so that the workspace's own path shows the guarded mount. Without --manifest it obeys "
+            "guard.toml at the workspace's top level (guard init writes one). Exit status: the agent's "
             "own, 75 when a breaker trip stopped it, 64 bad usage, 65 invalid manifest, 69 FUSE "
             "or isolation unavailable, 70 internal error."
         ),
     )
-    run.add_argument("--manifest", metavar="M", required=True, help="scope manifest (TOML)")
+    run.add_argument("--manifest", metavar="M", help="scope manifest (TOML); default: guard.toml at the "
+                     "workspace's top level, as guard init writes it")
     run.add_argument("--workspace", metavar="DIR", help="the workspace (default: the top level of the git "
                      "repository the current directory is in, else the current directory; the agent starts "
                      "in the current directory)")
@@ -211,7 +214,27 @@ def _parser() -> argparse.ArgumentParser:
         help="play a drifting agent against a real guarded mount of a sample repository",
         description="Build a sample repository, guard it, and show what a drifting agent meets.",
     )
+    for verb in sub.choices.values():
+        _accept_verbose(verb)
     return p
+
+
+def _version() -> str:
+    """The installed distribution's version (its metadata, as pip shows it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("guardfs")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def _accept_verbose(verb: argparse.ArgumentParser) -> None:
+    """-v after the verb as before it (guard run -v as guard -v run), unless the verb gives
+    -v a meaning of its own. SUPPRESS: absent after the verb, it leaves guard -v's value alone."""
+    if "-v" not in verb._option_string_actions:
+        verb.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                          help="log every denial to stderr (as guard -v VERB)")
 
 
 def _manifest(path: str | None) -> Manifest:
@@ -230,19 +253,18 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 def _cmd_mount(args: argparse.Namespace) -> int:
     manifest = _manifest(args.manifest)
-    for what, path in (("BACKING", args.backing), ("MOUNTPOINT", args.mountpoint)):
-        if not os.path.isdir(path):
-            raise UsageError(f"{what} {path} is not a directory; give an existing directory")
     if os.path.realpath(args.backing) == os.path.realpath(args.mountpoint):
         raise UsageError(f"BACKING and MOUNTPOINT are both {args.backing}; mount the workspace at another "
                          "(empty) directory")
     if args.cache_timeout < 0:
         raise UsageError(f"--cache-timeout must be >= 0 seconds, not {args.cache_timeout:g}")
     try:
-        from guardfs.mount import serve  # needs libfuse
+        from guardfs.mount import check_directory, check_mountpoint, serve  # needs libfuse
         from sandbox.session import Session
     except ImportError as err:
         raise MountError(f"libfuse 3 is not usable ({err}); install fuse3 and libfuse3-3") from err
+    check_directory("BACKING", args.backing)
+    check_mountpoint(args.mountpoint)  # serve() checks it again; here before a run directory is made
     run_dir = Path(args.run_dir).resolve() if args.run_dir else None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -285,21 +307,33 @@ def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: Eve
     return Exit.TRIPPED if session.breaker.state is State.OPEN_STOPPED else Exit.OK
 
 
+def _run_manifest(given: str | None, workspace: Path) -> Manifest:
+    """The manifest guard run obeys: --manifest, else guard.toml at the top of *workspace*."""
+    from guardfs.manifest import DEFAULT_MANIFEST, load_manifest
+
+    if given is not None:
+        return load_manifest(given)
+    default = workspace / DEFAULT_MANIFEST
+    if not default.exists():
+        raise UsageError(f"no {DEFAULT_MANIFEST} in the workspace {workspace}, and no --manifest given; write one "
+                         "with guard init --allow DIR \"GOAL\" (DIR: where the agent may write), or pass "
+                         "--manifest M")
+    return load_manifest(default)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from sandbox.launch.isolation import IsolationUnavailable
     from sandbox.launch.run import SYSTEM_RUNS, RunOptions, default_run_dir, run
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        raise UsageError("no command given; put the agent's command after --: guard run --manifest M -- CMD ARGS...")
-    from guardfs.manifest import load_manifest
-
-    manifest = load_manifest(args.manifest)
+        raise UsageError("no command given; put the agent's command after --: guard run [--manifest M] -- CMD ARGS...")
     from sandbox.launch.workspace import workspace_for
 
     workspace = workspace_for(Path.cwd(), args.workspace)  # the repository's top level, unless --workspace
     if not workspace.is_dir():
         raise UsageError(f"workspace {workspace} is not a directory; give the workspace with --workspace DIR")
+    manifest = _run_manifest(args.manifest, workspace)
     run_dir = Path(os.path.realpath(args.run_dir)) if args.run_dir else default_run_dir(
         manifest.task.id, SYSTEM_RUNS if args.user is not None else None)
     if run_dir.is_relative_to(workspace) or workspace.is_relative_to(run_dir):
@@ -464,14 +498,28 @@ def _cmd_feed(args: argparse.Namespace) -> int:
     return Exit.DATAERR if rejected else Exit.OK
 
 
+def _refuse_nested(verb: str) -> None:
+    """Inside a guard run's sandbox (which has no /dev/fuse, by design) say so, rather than
+    that the fuse module is missing."""
+    inside = next((name for name in ("GUARD_SOCKET", "GUARD_RUN_DIR") if os.environ.get(name)), None)
+    if inside is not None and not os.path.exists("/dev/fuse"):
+        raise UnavailableError(
+            f"guard {verb} cannot start here: this is the sandbox of a guard run ({inside} is set), "
+            "which has no /dev/fuse, so no guard can be started inside another. Start it outside "
+            "the sandbox, on the host; inside a run, guard exec -- CMD quarantines one tool command"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``guard``; returns the exit status."""
     args = _parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="guard: %(message)s",
     )
     try:
+        if args.verb in ("run", "mount"):
+            _refuse_nested(args.verb)
         if args.verb == "check":
             return _cmd_check(args)
         if args.verb == "demo":

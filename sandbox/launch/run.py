@@ -126,10 +126,24 @@ def _say(text: str) -> None:
 
 
 def run(opts: RunOptions) -> int:
-    """Run the agent under guard; returns the exit status."""
+    """Run the agent under guard; returns the exit status. A start refused before the mount
+    was up (a secret git tracks, a busy run directory, no mount) leaves no run directory
+    behind that it made: it held nothing yet."""
     bwrap = _sandbox_tool(opts)  # a usage error is said before anything about the machine
     resolve_command(opts.command[0], _search_path(os.environ), str(opts.cwd))  # the same: before the mount
     check_fuse_available()
+    made = not os.path.lexists(opts.run_dir)
+    started: list[bool] = []
+    try:
+        return _run(opts, bwrap, started)
+    except BaseException:
+        if made and not started:
+            shutil.rmtree(opts.run_dir, ignore_errors=True)
+        raise
+
+
+def _run(opts: RunOptions, bwrap: str | None, started: list[bool]) -> int:
+    """:func:`run`, from its run directory on; *started* gets an entry once the mount is up."""
     run_dir = opts.run_dir
     claim_run_dir(run_dir)  # mode 000 as root: out of every sandbox's reach (sandbox.launch.runs)
     # What the agent's side must reach (the mount, the agent socket, the staged lanes) lives,
@@ -167,6 +181,7 @@ def run(opts: RunOptions) -> int:
         # the mode the kernel passes (with the agent's umask applied).
         session.prepare()
         unmount = init_mount(session.fs, str(mnt), mount_options(f"guardfs:{opts.manifest.task.id}"))
+        started.append(True)
         try:
             with keepalive(str(mnt)), registered(run_dir):
                 outcome.failure = _serve(opts, bwrap, session, outcome, mnt, lane_args)
