@@ -197,8 +197,8 @@ class Console:
         return "\n".join(["--- stderr", *self.lines, "--- stdout", *self.out])
 
 
-#: A console line for one refusal: it names what was refused.
-REFUSAL_LINE = re.compile(r"\brefused\b")
+#: A console line for one refusal (sandbox.launch.console): what was refused, on which path, by which rule.
+REFUSAL_LINE = re.compile(r"^guard: denied ")
 
 
 class Pacer:
@@ -309,7 +309,7 @@ def refusal_events(run_dir: Path) -> list[dict[str, Any]]:
     """The run's events that refused the agent something (the definition every count shares)."""
     from guardfs.events import tally_kind
 
-    return [e for e in run_events(run_dir) if tally_kind(e["op"], e["decision"]) == "refusals"]
+    return [e for e in run_events(run_dir) if tally_kind(e["op"], e["decision"]) == "denials"]
 
 
 def report_counts(run_dir: Path, home: Path) -> dict[str, int]:
@@ -317,7 +317,7 @@ def report_counts(run_dir: Path, home: Path) -> dict[str, int]:
     proc = subprocess.run([GUARD, "report", "--run-dir", str(run_dir), "--html", "-"], env=user_env(home),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    return {kind: int(n) for kind, n in re.findall(r"\b(refusals|trips): (\d+)", proc.stdout)}
+    return {kind: int(n) for kind, n in re.findall(r"\b(denials|trips): (\d+)", proc.stdout)}
 
 
 @pytest.mark.parametrize("install", ["local-bin", "npm-prefix"])
@@ -356,17 +356,20 @@ def test_first_hour_with_an_agent_installed_in_the_home(taggit: Repository, tmp_
     assert rules.get(MIGRATION) == "paths.protected", refused
     assert rules.get(".env") in {"paths.secret", "paths.forbidden"}, refused
     assert not any(e["path"].startswith(".venv/") for e in refused), refused  # **/ never reached into .venv
+    trips = sum(1 for e in run_events(run_dir) if e["op"] == "trip")
     # The console said each refusal while the run went on (the agent waited for it), one line each.
     assert pacer.seen == {name: pacer.seen.get(name) for name in TOLD} and all(pacer.seen.values()), (
         pacer.seen, why)
+    assert all("[paths.protected]" in str(pacer.seen[n]) and "EROFS" in str(pacer.seen[n])
+               for n in ("edit_ci", "edit_migration")), pacer.seen
     assert len(console.refusals()) == len(refused), why
+    assert sum(line.startswith("guard: TRIP ") for line in console.lines) == trips, why
     # Console, report and ledger agree on the counts.
     ledger = json.loads((run_dir / "ledger.json").read_text())
-    trips = sum(1 for e in run_events(run_dir) if e["op"] == "trip")
-    summary = dict(re.findall(r"\b(refusals|trips): (\d+)", "\n".join(console.lines)))
-    assert {k: int(v) for k, v in summary.items()} == {"refusals": len(refused), "trips": trips}, why
-    assert ledger["counts"] == {"refusals": len(refused), "trips": trips}, ledger.get("counts")
-    assert report_counts(run_dir, repo.home) == {"refusals": len(refused), "trips": trips}
+    summary = dict(re.findall(r"\b(denials|trips): (\d+)", "\n".join(console.lines)))
+    assert {k: int(v) for k, v in summary.items()} == {"denials": len(refused), "trips": trips}, why
+    assert ledger["counts"] == {"denials": len(refused), "trips": trips}, ledger.get("counts")
+    assert report_counts(run_dir, repo.home) == {"denials": len(refused), "trips": trips}
 
 
 def claude_tarballs() -> list[Path]:
