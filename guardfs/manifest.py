@@ -579,7 +579,7 @@ def _key(loc: tuple[int | str, ...]) -> str:
 def _reason(err: ErrorDetails) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
-        return "unknown key (a typo? see 'guard check --help' for the schema)"
+        return "unknown key (a typo? 'guard schema' lists every key)"
     if kind == "missing":
         return "required key is missing"
     msg: str = err["msg"]

@@ -22,7 +22,7 @@ from guardfs.manifest import DEFAULT_MANIFEST, Manifest, is_outside_secret
 
 __all__ = [
     "GENERATED_KEYS", "GENERATED_RULE", "GIT_CHECKED_RULE", "GIT_GUARDED_RULE", "GUARD_DIR", "PROTECTED_RULE",
-    "Classification", "PathPolicy", "Scope", "git_log_kind", "is_git_state", "read_gitignore",
+    "Classification", "PathPolicy", "Scope", "git_log_kind", "is_git_state", "pattern_applies", "read_gitignore",
 ]
 
 log = logging.getLogger(__name__)
@@ -156,6 +156,23 @@ class Classification:
         return f"{self.key} {self.pattern!r}" if self.pattern is not None else self.key
 
 
+def _stand_in(probe: str, tree: str) -> str:
+    """*probe* with the name of the generated *tree* (an ancestor of it) replaced by _STAND_IN."""
+    return probe[:tree.rfind("/") + 1] + _STAND_IN + probe[len(tree):]
+
+
+def pattern_applies(spec: pathspec.GitIgnoreSpec, probe: str, tree: str | None) -> bool | None:
+    """Whether the one-pattern *spec* applies to *probe* (a trailing '/' for a directory)
+    lying inside the generated *tree* (None: in none): None when it does not match at all,
+    False when it matches only by reaching into the tree through a wildcard (it then does
+    not apply), True when it applies: it matches the tree as a whole, or names it."""
+    if not spec.match_file(probe):
+        return None
+    if tree is None or spec.match_file(tree + "/"):
+        return True
+    return not spec.match_file(_stand_in(probe, tree))
+
+
 class _Rules:
     """The patterns of one class (secret, protected, allowed) compiled once, each with the
     manifest key it came from, matched with the generated-tree rule (:meth:`check`)."""
@@ -178,10 +195,7 @@ class _Rules:
         hit = self._spec.check_file(probe)
         if tree is None or hit.index is None:
             return hit.include, hit.index
-        stand_in = probe[:tree.rfind("/") + 1] + _STAND_IN + probe[len(tree):]
-        applying = tuple(
-            i for i, one in enumerate(self._each)
-            if one.match_file(probe) and (one.match_file(tree + "/") or not one.match_file(stand_in)))
+        applying = tuple(i for i, one in enumerate(self._each) if pattern_applies(one, probe, tree))
         if len(applying) == len(self.entries):
             return hit.include, hit.index
         if not applying:
@@ -196,9 +210,7 @@ class _Rules:
     def reaches(self, probe: str, tree: str) -> list[int]:
         """Indices of the patterns that match *probe* but do not apply there because it lies
         inside the generated *tree* (for ``guard check``)."""
-        stand_in = probe[:tree.rfind("/") + 1] + _STAND_IN + probe[len(tree):]
-        return [i for i, one in enumerate(self._each)
-                if one.match_file(probe) and not one.match_file(tree + "/") and one.match_file(stand_in)]
+        return [i for i, one in enumerate(self._each) if pattern_applies(one, probe, tree) is False]
 
 
 class PathPolicy:

@@ -16,24 +16,27 @@ MANIFESTS = Path(__file__).parent.parent / "manifests"
 HEAD = '[task]\nid = "t"\ngoal = "g"\n'
 
 
-def guard(*args: str) -> subprocess.CompletedProcess[str]:
+def guard(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """Run the ``guard`` command line as a user would."""
-    return subprocess.run([sys.executable, "-m", "sandbox", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "sandbox", *args], capture_output=True, text=True, timeout=60,
+                          cwd=cwd)
 
 
 @pytest.mark.parametrize("path", sorted(MANIFESTS.glob("*.toml")), ids=lambda p: p.name)
-def test_shipped_manifests_are_valid(path: Path) -> None:
-    proc = guard("check", str(path))
+def test_shipped_manifests_are_valid(path: Path, tmp_path: Path) -> None:
+    proc = guard("-v", "check", "--workspace", str(tmp_path), str(path))
     assert proc.returncode == 0, proc.stderr
     manifest = load_manifest(path)
-    assert manifest.task.id in proc.stdout
-    assert "precedence: built-in protections > paths.forbidden > paths.allowed" in proc.stdout
+    assert f"{path}: valid; {len(manifest.paths.allowed)} allowed" in proc.stdout
+    assert manifest.task.id in proc.stdout  # -v: the compiled policy
+    assert "precedence: built-in protections > paths.secret (and paths.forbidden) > paths.protected" in proc.stdout
 
 
 def test_shipped_profiles_say_what_they_promise() -> None:
     checkout = load_manifest(MANIFESTS / "checkout-bugfix.toml")
     assert checkout.paths.allowed == ["src/checkout/", "tests/checkout/"]
-    assert {".env*", "src/auth/root_keys.ts", ".github/workflows/", "**/migrations/"} <= set(checkout.paths.forbidden)
+    assert {".env*", "src/auth/root_keys.ts"} <= set(checkout.paths.secret)
+    assert {".github/workflows/", "**/migrations/"} <= set(checkout.paths.protected)
     assert checkout.limits.max_files == 6
     assert load_manifest(MANIFESTS / "codemod-repo-wide.toml").limits.max_files is None
     review = load_manifest(MANIFESTS / "review-read-only.toml")
@@ -77,7 +80,7 @@ def test_invalid_manifest_is_refused_with_its_reason(case: str, tmp_path: Path) 
     text, key, reason = INVALID[case]
     path = tmp_path / "bad.toml"
     path.write_text(text)
-    proc = guard("check", str(path))
+    proc = guard("check", "--workspace", str(tmp_path), str(path))
     assert proc.returncode == 65, proc.stderr
     assert proc.stdout == ""  # never a compiled policy from defaults
     line = next((ln for ln in proc.stderr.splitlines() if reason in ln), None)
@@ -87,11 +90,11 @@ def test_invalid_manifest_is_refused_with_its_reason(case: str, tmp_path: Path) 
 
 
 def test_unreadable_and_missing_files_are_named(tmp_path: Path) -> None:
-    proc = guard("check", str(tmp_path / "absent.toml"))
+    proc = guard("check", str(tmp_path / "absent.toml"), cwd=tmp_path)
     assert proc.returncode == 65 and "absent.toml: cannot read" in proc.stderr
     binary = tmp_path / "binary.toml"
     binary.write_bytes(b"\xff\xfe\x00")
-    proc = guard("check", str(binary))
+    proc = guard("check", str(binary), cwd=tmp_path)
     assert proc.returncode == 65 and "binary.toml: cannot read" in proc.stderr
 
 
@@ -109,11 +112,12 @@ def test_manifest_is_frozen() -> None:
         manifest.task.goal = "something else"
 
 
-def test_check_usage_errors_exit_64() -> None:
-    assert guard("check").returncode == 64
+def test_check_usage_errors_exit_64(tmp_path: Path) -> None:
+    assert guard("check", cwd=tmp_path).returncode == 64  # no guard.toml here (tests/test_lint.py)
     assert guard("frobnicate").returncode == 64
     proc = guard("check", "--help")
-    assert proc.returncode == 0 and "max_files" in proc.stdout
+    assert proc.returncode == 0 and "guard schema" in proc.stdout
+    assert "max_files" in guard("schema").stdout
 
 
 def test_secret_and_forbidden_are_one_class_named_by_their_keys() -> None:

@@ -3,6 +3,7 @@ built-in protections hold whatever the manifest says."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import pytest
 from guardfs.manifest import parse_manifest
 from guardfs.policy import GIT_CHECKED_RULE, GIT_GUARDED_RULE, PathPolicy, Scope
 
-from .helpers import require
+from .helpers import git_env, require
+from .test_run import guard_run
 
 PATTERNS = [".env*", "src/auth/root_keys.ts", ".github/workflows/", "**/migrations/", "*.pem",
             "/build", "docs/**/*.png", "!docs/keep.png", "secret?.txt", "[Tt]mp/"]
@@ -285,3 +287,90 @@ def test_a_negation_below_a_matched_directory_is_read_as_pathspec_does(tmp_path:
                                        '["**/migrations/", "!app/migrations/sub/"]\n'))
     assert policy.classify("app/migrations/sub/x.py", False).scope is Scope.OUT_OF_SCOPE
     assert policy.classify("app/migrations/0001.py", False).scope is Scope.PROTECTED
+
+
+# ----- a real guard run --------------------------------------------------------------------
+
+CLASSES_RUN = """
+    import errno, glob, json, os, subprocess
+    out = {}
+    def attempt(name, fn):
+        try:
+            out[name] = fn()
+        except OSError as err:
+            out[name] = errno.errorcode[err.errno]
+    def append(path, text="# agent\\n"):
+        with open(path, "a") as f:
+            return f.write(text)
+    def read(path):
+        with open(path) as f:
+            return f.read()
+    attempt("read ci", lambda: read(".github/workflows/ci.yml"))
+    attempt("write ci", lambda: append(".github/workflows/ci.yml"))
+    attempt("progress 1", lambda: append("app/a.py"))  # back in scope: the breaker closes
+    attempt("read migration", lambda: read("app/migrations/0001_initial.py"))
+    attempt("write migration", lambda: append("app/migrations/0001_initial.py"))
+    attempt("progress 2", lambda: append("app/b.py"))
+    attempt("write manifest", lambda: append("guard.toml"))
+    attempt("progress 3", lambda: append("app/c.py"))
+    site = glob.glob(".venv/lib/python3*/site-packages")[0]
+    test = subprocess.run([".venv/bin/python", "-c",
+                           "import django.db.migrations.operations as o, django.db.migrations as m; "
+                           "print('IMPORTED', m.__file__)"], capture_output=True, text=True)
+    out["import"] = test.stdout + test.stderr
+    attempt("write venv migration", lambda: append(f"{site}/django/db/migrations/guard_probe.py", "X = 1\\n"))
+    attempt("read certifi", lambda: len(read(f"{site}/pip/_vendor/certifi/cacert.pem")) > 0)
+    attempt("git log", lambda: subprocess.run(["git", "log", "--format=%s"], capture_output=True, text=True,
+                                               check=True).stdout)
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.mount
+@pytest.mark.slow
+def test_a_protected_tracked_workflow_starts_reads_and_refuses_writes_under_guard_run(tmp_path: Path) -> None:
+    """guard run --ci in a repository that tracks its CI workflow and its migrations, with a
+    venv holding Django: the run starts (no exit 65: only secrets are checked against git),
+    the protected files read and refuse writes (EROFS, a scope_spill each, recovered), the
+    manifest is read-only, and '**/migrations/' leaves Django's own migrations importable and
+    writable as generated output; '**/*.pem' leaves pip's CA bundle readable."""
+    require("git")
+    ws, home = tmp_path / "ws", tmp_path / "home"
+    home.mkdir()
+    env = git_env(home)
+    for rel, text in {".github/workflows/ci.yml": "on: push\n", "app/migrations/0001_initial.py": "ops = []\n",
+                      "app/migrations/__init__.py": "", "app/models.py": "X = 1\n", ".gitignore": ".venv/\n.env\n",
+                      ".env": "SECRET=1\n"}.items():
+        (ws / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ws / rel).write_text(text)
+    (ws / "guard.toml").write_text(
+        '[task]\nid = "tags"\ngoal = "Fix the tagging helper in app/"\n[paths]\nallowed = ["**"]\n'
+        'secret = [".env*", "**/*.pem"]\nprotected = [".github/workflows/", "**/migrations/"]\n'
+        f'[sandbox]\nnative_generated = false\nwritable = ["{home}"]\n')  # the venv through the mount: judged
+    for argv in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "init"]):
+        subprocess.run(argv, cwd=ws, env=env, check=True)
+    subprocess.run(["/usr/bin/python3", "-m", "venv", str(ws / ".venv")], check=True)
+    pip = subprocess.run([str(ws / ".venv/bin/pip"), "install", "-q", "django"], capture_output=True, text=True,
+                         env={**env, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    if pip.returncode != 0:
+        pytest.skip(f"Django cannot be installed from here: {pip.stderr[-300:]}")
+    run_dir = tmp_path / "run"
+    proc = guard_run(ws / "guard.toml", ws, run_dir, CLASSES_RUN, "--ci", env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "git tracks" not in proc.stderr
+    out = json.loads((run_dir / "stdout.log").read_text().splitlines()[-1])
+    assert out["read ci"] == "on: push\n" and out["read migration"] == "ops = []\n"
+    assert out["write ci"] == "EROFS" and out["write migration"] == "EROFS" and out["write manifest"] == "EROFS"
+    assert all(isinstance(out[f"progress {i}"], int) for i in (1, 2, 3)), out
+    assert "IMPORTED" in out["import"] and "/django/db/migrations/" in out["import"], out["import"]
+    assert out["write venv migration"] == 6 and out["read certifi"] is True, out
+    assert out["git log"] == "init\n"
+    assert (ws / ".github/workflows/ci.yml").read_text() == "on: push\n"
+    assert (ws / "app/migrations/0001_initial.py").read_text() == "ops = []\n"
+    assert list((ws / ".venv/lib").glob("python3*/site-packages/django/db/migrations/guard_probe.py"))
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    trips = [(t["rule"], t.get("reason", "")) for t in ledger["trips"]]
+    assert [rule for rule, _ in trips] == ["scope_spill"] * 3, trips
+    for (_, reason), path in zip(trips, (".github/workflows/ci.yml", "app/migrations/0001_initial.py", "guard.toml"),
+                                 strict=True):
+        assert path in reason, trips

@@ -389,6 +389,9 @@ def _agent_argv(
     # of the guard's own user, that user's environment as it started guard.
     env = dict(os.environ) if opts.user is None else agent_environment(dict(os.environ), opts.manifest.sandbox.env)
     env["PATH"] = _search_path(env)
+    # The user's home, before an agent's state of its own may stand in for it (HOME itself, for
+    # some): where its credential stores are, and what ~ means in [sandbox] readable.
+    home = pwd.getpwnam(opts.user).pw_dir if opts.user is not None else env.get("HOME") or str(Path.home())
     env["GUARD_LOG_MAX_BYTES"] = str(opts.manifest.sandbox.log_max_bytes)  # guard exec's cap
     env["GUARD_HOST_EXEC_DIR"] = str(opts.run_dir / "exec")  # where guard exec's logs are on the host, for its digest
     rel = os.path.relpath(opts.cwd, opts.workspace) if opts.cwd.is_relative_to(opts.workspace) else "."
@@ -433,7 +436,6 @@ def _agent_argv(
     mask_file = mnt.parent / "unreadable"
     mask_file.touch(mode=0)
     mask_file.chmod(0)
-    home = own_home or env.get("HOME") or str(Path.home())
     executable = resolve_command(command[0], env["PATH"], str(opts.cwd))
     installed = installation(executable, env["PATH"], str(opts.workspace.resolve())) | reveal(_readable(opts, home))
     masks = host_secrets(own_home, other_runs)
