@@ -201,3 +201,31 @@ def test_guard_run_inside_guard_run_names_the_cause(tmp_path: Path) -> None:
     assert log == ("inner 69 guard run: guard run cannot start here: this is the sandbox of a guard run (GUARD_SOCKET "
                    "is set), which has no /dev/fuse, so no guard can be started inside another. Start it outside the "
                    "sandbox, on the host; inside a run, guard exec -- CMD quarantines one tool command\n\n"), log
+
+
+def test_a_default_run_directory_leaves_room_for_its_control_socket(tmp_path: Path) -> None:
+    """guard init's task ids come from the goal (up to 36 characters), and homes are deep: a
+    default run directory's control socket was past a unix socket's 107 bytes, and guard run
+    failed as an internal error (70, "AF_UNIX path too long"). The id is cut, never the rest."""
+    from sandbox.breaker.client import control_socket_path
+    from sandbox.breaker.daemon import SOCKET_PATH_MAX
+    from sandbox.launch.run import default_run_dir
+
+    base = Path("/home/a-long-user-name/.local/state/guardfs/runs")
+    run_dir = default_run_dir("add-tag-count-to-taggit-utils-with-a", base)
+    assert len(os.fsencode(control_socket_path(run_dir))) <= SOCKET_PATH_MAX
+    kept = run_dir.name.split("-", 2)[2].removesuffix(f"-{os.getpid()}")
+    assert run_dir.parent == base and len(kept) > 8 and "add-tag-count-to-taggit-utils-with-a".startswith(kept), run_dir
+    assert default_run_dir("fix-tax", base).name.endswith(f"-fix-tax-{os.getpid()}")  # short ids whole
+
+
+def test_a_run_directory_too_long_for_its_control_socket_is_refused_at_start(tmp_path: Path) -> None:
+    from .test_run import workspace
+
+    ws, manifest = workspace(tmp_path)
+    given = tmp_path / ("r" * (120 - len(str(tmp_path))))
+    proc = subprocess.run([sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest), "--run-dir",
+                           str(given), "--", "true"], cwd=ws, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == Exit.USAGE, proc.stderr
+    assert "too long a path for a unix socket" in proc.stderr and "give a shorter --run-dir" in proc.stderr
+    assert not given.exists()

@@ -91,6 +91,10 @@ class RunDirBusy(UsageError):
     """Another guard is serving this run directory."""
 
 
+#: The longest path a unix socket may be bound at (sun_path's 108 bytes, less the NUL).
+SOCKET_PATH_MAX = 107
+
+
 class _Conn:
     """One connection's bookkeeping: when it last did something, and how to end it."""
 
@@ -206,7 +210,13 @@ class Daemon:
     # ----- set-up and teardown -------------------------------------------------------
 
     def prepare(self) -> None:
-        """Create the run directory and claim it; raise RunDirBusy if a guard serves it."""
+        """Create the run directory and claim it; raise RunDirBusy if a guard serves it, and
+        UsageError if a socket's path in it would be too long to bind."""
+        for path in (self.agent_path, self.control_path):
+            if (length := len(os.fsencode(path))) > SOCKET_PATH_MAX:
+                raise UsageError(f"{path} is too long a path for a unix socket ({length} bytes, at most "
+                                 f"{SOCKET_PATH_MAX}): give a shorter --run-dir (the default lies under "
+                                 "$XDG_STATE_HOME, else ~/.local/state)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # The guard's alone: its record, restore points and control socket. An agent of
         # another user reaches its socket through a staging directory (guard run --user).

@@ -41,7 +41,8 @@ from sandbox.agents import Event, to_messages
 from sandbox.agents.hooks import AGENT_STATE, agent_state, compiled_helper, launch
 from sandbox.agents.registry import AGENTS
 from sandbox.breaker import Breaker, Effect, Effects, State
-from sandbox.breaker.daemon import Daemon
+from sandbox.breaker.client import control_socket_path
+from sandbox.breaker.daemon import SOCKET_PATH_MAX, Daemon
 from sandbox.breaker.ledger import write_ledger
 from sandbox.exitcodes import Exit
 from sandbox.launch.console import LiveConsole
@@ -115,10 +116,13 @@ class _Outcome:
 
 
 def default_run_dir(task_id: str, base: Path | None = None) -> Path:
-    """A fresh directory under *base* (default: the user's state directory)."""
+    """A fresh directory under *base* (default: the user's state directory), the task's id in
+    its name cut so that the control socket's path in it still fits a unix socket (guard init's
+    ids from a goal are long, and so are homes: the bind failed as an internal error)."""
     base = base or user_runs()
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return base / f"{stamp}-{task_id}-{os.getpid()}"
+    stamp, pid = time.strftime("%Y%m%d-%H%M%S"), os.getpid()
+    room = SOCKET_PATH_MAX - len(os.fsencode(control_socket_path(base / f"{stamp}--{pid}")))
+    return base / f"{stamp}-{task_id[:max(room, 1)].rstrip('-.')}-{pid}"
 
 
 def _say(text: str) -> None:
