@@ -327,7 +327,8 @@ def test_first_hour_with_an_agent_installed_in_the_home(taggit: Repository, tmp_
     path = install_local_bin(repo.home) if install == "local-bin" else install_npm_prefix(repo.home, tmp_path)
     status, console, pacer = guard_run(repo, path, ["agent"])
     run_dir = run_dir_of(console)
-    said = {k: v for r in reports(run_dir / "stdout.log") for k, v in r.items()}
+    log = run_dir / "stdout.log"
+    said = {k: v for r in (reports(log) if log.exists() else []) for k, v in r.items()}
     why = console.text() + "\n--- agent\n" + json.dumps(said, indent=1)
     # It started (no refusal to start: the manifest protects, not hides, what git tracks) and ended well.
     assert status == 0, why
