@@ -180,6 +180,10 @@ def test_run_without_a_manifest_says_how_to_get_one(tmp_path: Path) -> None:
     assert proc.stderr == (f"guard run: no guard.toml in the workspace {ws}, and no --manifest given; write one with "
                            'guard init --allow DIR "GOAL" (DIR: where the agent may write), or pass --manifest M\n')
     assert "guard.toml" in guard("run", "--help").stdout
+    for verbose in (["-v", "run"], ["run", "-v"]):  # guard run -v was "unrecognized arguments"
+        proc = subprocess.run([sys.executable, "-m", "sandbox", *verbose, "--", "true"], cwd=ws, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == Exit.USAGE and proc.stderr.startswith("guard run: no guard.toml"), proc.stderr
 
 
 @pytest.mark.root
