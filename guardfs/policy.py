@@ -21,8 +21,8 @@ from guardfs.gitguard import GitRole, git_role
 from guardfs.manifest import Manifest
 
 __all__ = [
-    "GENERATED_KEYS", "GENERATED_RULE", "GIT_CHECKED_RULE", "GIT_GUARDED_RULE", "GUARD_DIR", "Classification",
-    "PathPolicy", "Scope", "git_log_kind", "is_git_state", "read_gitignore",
+    "AGENT_FILES_RULE", "GENERATED_KEYS", "GENERATED_RULE", "GIT_CHECKED_RULE", "GIT_GUARDED_RULE", "GUARD_DIR",
+    "Classification", "PathPolicy", "Scope", "git_log_kind", "is_git_state", "read_gitignore",
 ]
 
 log = logging.getLogger(__name__)
@@ -41,8 +41,10 @@ _GIT_STATE_RULE = "built-in: git's index and refs change only by renaming their 
 #: The manifest key of generated output; a refusal under it never trips the breaker.
 GENERATED_RULE = "paths.generated"
 _GITIGNORE_RULE = "paths.generated_from_gitignore"
-#: The manifest keys that make a path generated output: a refusal under one never trips.
-GENERATED_KEYS = frozenset({GENERATED_RULE, _GITIGNORE_RULE})
+#: The rule of the agent's own files and caches (sandbox.agents.registry: own_files, own_caches).
+AGENT_FILES_RULE = "built-in: the agent's own files"
+#: The keys that make a path generated output: a refusal under one never trips.
+GENERATED_KEYS = frozenset({GENERATED_RULE, _GITIGNORE_RULE, AGENT_FILES_RULE})
 # Paths whose verdicts PathPolicy keeps at most (about 200 bytes each).
 _MEMO_MAX = 1 << 16
 
@@ -158,12 +160,15 @@ class PathPolicy:
     creates may configure itself, one that was there may not). It defaults to the safe
     answer, read-only; whoever builds a guarded run looks and says (see sandbox.session).
     *gitignore* holds the repository's .gitignore patterns (:func:`read_gitignore`), read
-    when ``paths.generated_from_gitignore`` is on.
+    when ``paths.generated_from_gitignore`` is on. *agent_files* and *agent_caches* are the
+    agent's own (patterns): generated output wherever they are, below the secrets only; its
+    files are kept in the workspace, its caches go to the scratch layer.
     """
 
     def __init__(
         self, manifest: Manifest, *, git_config_existed: bool = True, started_ns: int | None = None,
         hide_git: bool = False, git_state_locked: bool = False, gitignore: Sequence[str] = (),
+        agent_files: Sequence[str] = (), agent_caches: Sequence[str] = (),
     ) -> None:
         self.manifest = manifest
         self.git_config_existed = git_config_existed
@@ -185,6 +190,8 @@ class PathPolicy:
         #: The .gitignore patterns treated as generated (paths.generated_from_gitignore).
         self.gitignore = list(gitignore) if paths.generated_from_gitignore else []
         self._gitignored = pathspec.GitIgnoreSpec.from_lines(self.gitignore)
+        own = ((agent_files, Scope.GENERATED), (agent_caches, Scope.GENERATED_OUTSIDE))
+        self._agent_own = [(pathspec.GitIgnoreSpec.from_lines(p), list(p), scope) for p, scope in own if p]
         # Memo of classify: a verdict depends only on the path, whether it is a directory and
         # what is fixed above, and matching every pattern set costs ~10 µs a path, paid again
         # each time the kernel forgets an inode and meets its name anew.
@@ -213,6 +220,9 @@ class PathPolicy:
             return Classification(
                 Scope.FORBIDDEN, "paths.forbidden", self.manifest.paths.forbidden[hit.index]
             )
+        for spec, patterns, scope in self._agent_own:
+            if (own := spec.check_file(probe)).include and own.index is not None:
+                return Classification(scope, AGENT_FILES_RULE, patterns[own.index])
         role = git_role(path) if ".git" in path or path.endswith("HEAD") else None
         if path == ".git" or path.startswith(".git/"):
             if self.git_state_locked and self._git_writable and not is_dir:
