@@ -320,8 +320,8 @@ def _check_env_name(name: str) -> str:
 
 
 class SandboxSettings(_Strict):
-    """What the agent may write outside the workspace when ``guard run`` isolates it, and
-    which subtrees it reads natively (fast lanes)."""
+    """What the agent may write or read outside the workspace when ``guard run`` isolates it,
+    and which subtrees it reads natively (fast lanes)."""
 
     writable: list[Annotated[str, AfterValidator(_check_writable)]] = Field(
         default_factory=list,
@@ -329,6 +329,17 @@ class SandboxSettings(_Strict):
             "Extra directories (absolute, or starting with ~) the agent may write, such as its "
             "own configuration directory. Everything else outside the workspace and a private "
             "/tmp is read-only. Paths that do not exist are skipped."
+        ),
+    )
+    readable: list[Annotated[str, AfterValidator(_check_writable)]] = Field(
+        default_factory=list,
+        description=(
+            "Extra paths (absolute, or starting with ~, the agent's home) the agent may read, "
+            "read-only, where the sandbox hides them: the homes (/root, /home) and /tmp are empty "
+            "inside, but for the agent's own installation (found on PATH and shown by itself) and "
+            "the state its adapter names. For what a generic agent needs beyond that, like a "
+            "'~/.config/myagent' directory. Credential stores stay masked inside them. Paths that "
+            "do not exist are skipped."
         ),
     )
     fast_lanes: list[Annotated[str, AfterValidator(_check_lane)]] = Field(

@@ -114,7 +114,9 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     run.add_argument("--manifest", metavar="M", required=True, help="scope manifest (TOML)")
-    run.add_argument("--workspace", metavar="DIR", help="the workspace (default: the current directory)")
+    run.add_argument("--workspace", metavar="DIR", help="the workspace (default: the top level of the git "
+                     "repository the current directory is in, else the current directory; the agent starts "
+                     "in the current directory)")
     run.add_argument("--run-dir", metavar="D", help="run directory (default: a new one under "
                      "$XDG_STATE_HOME/guardfs/runs, or /var/lib/guardfs/runs with --user; printed at start)")
     run.add_argument("--ci", action="store_true", help="CI mode: a terminal trip stops the agent at "
@@ -288,7 +290,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from guardfs.manifest import load_manifest
 
     manifest = load_manifest(args.manifest)
-    workspace = Path(os.path.realpath(args.workspace or os.getcwd()))
+    from sandbox.launch.workspace import workspace_for
+
+    workspace = workspace_for(Path.cwd(), args.workspace)  # the repository's top level, unless --workspace
     if not workspace.is_dir():
         raise UsageError(f"workspace {workspace} is not a directory; give the workspace with --workspace DIR")
     run_dir = Path(os.path.realpath(args.run_dir)) if args.run_dir else default_run_dir(

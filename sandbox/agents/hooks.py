@@ -146,22 +146,29 @@ def agent_state(
     the variable and HOME), owned by *owner* (uid, gid) when given; None when the agent needs none."""
     if setup.state is None:
         return None
-    var, default, names = setup.state
+    var, default, names, beside = setup.state
     (where / AGENT_STATE).mkdir(mode=0o711, exist_ok=True)
     state = where / AGENT_STATE / var.lower()
     state.mkdir(mode=0o700, exist_ok=True)
     home = environ.get("HOME") or str(Path.home())
-    user = Path(environ.get(var) or (home + default[1:] if default.startswith("~/") else default))
-    for name in names:
-        source, copy = user / name, state / name
+
+    def expand(path: str) -> Path:
+        return Path(home + path[1:] if path == "~" or path.startswith("~/") else path)
+
+    user = Path(environ[var]) if environ.get(var) else expand(default)
+    sources = [(user / name, name) for name in names]
+    sources += [(user / name if environ.get(var) else expand(elsewhere), name) for name, elsewhere in beside]
+    for source, name in sources:
+        copy = state / name
         try:
             data = _read_own(source, owner[0] if owner is not None else None)
             if data is not None:
+                copy.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
                 copy.touch(mode=0o600)
                 copy.write_bytes(data)
         except OSError as err:  # the agent starts without it, and says what it misses
             log.warning("%s: not copied into the run's %s (%s)", source, var, err.strerror or err)
     if owner is not None:
-        for path in (state, *state.iterdir()):
-            os.chown(path, *owner)
+        for path in (state, *state.rglob("*")):
+            os.chown(path, *owner, follow_symlinks=False)
     return state

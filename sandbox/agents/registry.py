@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     from sandbox.agents.events import JsonLinesParser
 
-__all__ = ["AGENTS", "FORMATS", "HOOKED", "Agent", "HookConvention", "Launch", "detect"]
+__all__ = ["AGENTS", "FORMATS", "HOOKED", "Agent", "HookConvention", "Launch", "State", "detect"]
 
 
 class HookConvention(NamedTuple):
@@ -37,6 +37,21 @@ class HookConvention(NamedTuple):
     block_status: int = 2
 
 
+class State(NamedTuple):
+    """The state an agent needs of its own, as a directory of the run's own: the guard creates it,
+    writable, in the staging directory, copies into it the user's files it names, and sets *var*
+    to it. The user's own files are never written, nor bound into the sandbox (an agent that could
+    write its user's configuration could leave hooks there that run unguarded later); the copies
+    are discarded with the run. The rest of the user's home stays hidden."""
+
+    var: str  #: the environment variable that moves the agent's state (CODEX_HOME, CLAUDE_CONFIG_DIR)
+    default: str  #: the user's directory when *var* is not set (``~`` is the agent's home)
+    files: tuple[str, ...]  #: copied from the user's directory, under the same relative names
+    #: Files the agent keeps beside its directory when *var* is not set, and inside it when it
+    #: is, each (name in the copy, where it is when *var* is not set): Claude's ``~/.claude.json``.
+    beside: tuple[tuple[str, str], ...] = ()
+
+
 class Launch(NamedTuple):
     """What an agent's command is given, for one run, to call our hooks."""
 
@@ -44,11 +59,7 @@ class Launch(NamedTuple):
     #: Files written for the run, each (environment variable, file name, content): the guard writes
     #: the file and sets the variable to the path where the agent sees it.
     files: tuple[tuple[str, str, str], ...] = ()
-    #: A state directory of the run's own, (environment variable, the user's directory, files
-    #: copied from it): the guard creates it, writable, in the run directory, copies those files of
-    #: the user's directory (the variable's value, else this default under ``~``) into it, and sets
-    #: the variable to it. The user's own directory is never written, nor bound into the sandbox.
-    state: tuple[str, str, tuple[str, ...]] | None = None
+    state: State | None = None  #: the agent's state, as the run's own copy
 
 
 class Agent(NamedTuple):
@@ -81,7 +92,13 @@ class Agent(NamedTuple):
 def _claude(hook: str) -> Launch:
     entry = [{"matcher": "*", "hooks": [{"type": "command", "command": hook, "timeout": 10}]}]
     settings = json.dumps({"hooks": {"PreToolUse": entry, "PostToolUse": entry}}, separators=(",", ":"))
-    return Launch(args=("--settings", settings))
+    # Claude Code writes its config (~/.claude.json, rewritten on every start) and its sessions,
+    # and needs its login (.credentials.json): a CLAUDE_CONFIG_DIR of the run's own, which also
+    # moves .claude.json into it (checked against 2.1.332), with copies of the user's login,
+    # settings and memory.
+    return Launch(args=("--settings", settings),
+                  state=State("CLAUDE_CONFIG_DIR", "~/.claude", (".credentials.json", "settings.json", "CLAUDE.md"),
+                              beside=((".claude.json", "~/.claude.json"),)))
 
 
 def _codex(hook: str) -> Launch:
@@ -97,7 +114,7 @@ def _codex(hook: str) -> Launch:
     # of the run's own, with copies of the user's login and config, works whatever the sandbox
     # makes of HOME, and keeps the agent from writing the user's config (hook trust included).
     return Launch(args=("--dangerously-bypass-hook-trust", "-c", f"hooks.PreToolUse={entry}"),
-                  state=("CODEX_HOME", "~/.codex", ("auth.json", "config.toml")))
+                  state=State("CODEX_HOME", "~/.codex", ("auth.json", "config.toml")))
 
 
 def _gemini(hook: str) -> Launch:
@@ -105,8 +122,12 @@ def _gemini(hook: str) -> Launch:
     settings = json.dumps({"hooks": {"BeforeTool": entry, "AfterTool": entry}}, indent=2)
     # --skip-trust: headless Gemini exits 55 in a folder the user has not trusted, and trusting it
     # through the user's trustedFolders.json would change their own configuration.
+    # Gemini keeps its login, settings and chats in ~/.gemini, which GEMINI_CLI_HOME moves (it
+    # stands for the home: checked against 0.61.0): a home of the run's own with copies of those.
     return Launch(args=("--skip-trust",),
-                  files=(("GEMINI_CLI_SYSTEM_SETTINGS_PATH", "gemini-settings.json", settings),))
+                  files=(("GEMINI_CLI_SYSTEM_SETTINGS_PATH", "gemini-settings.json", settings),),
+                  state=State("GEMINI_CLI_HOME", "~", tuple(f".gemini/{name}" for name in (
+                      "oauth_creds.json", "google_accounts.json", "settings.json", "installation_id", "GEMINI.md"))))
 
 
 #: aider's fallback git identity, for a user who has none (system scope: the user's own ~/.gitconfig,
@@ -135,8 +156,8 @@ def _aider(hook: str) -> Launch:
     return Launch(
         args=("--no-gitignore", "--no-check-update", "--no-show-release-notes"),
         files=(("GIT_CONFIG_SYSTEM", "aider-gitconfig", _AIDER_GITCONFIG),),
-        state=("HOME", "~", (".aider.conf.yml", ".aider.model.settings.yml", ".aider.model.metadata.json",
-                             ".env", ".gitconfig")),
+        state=State("HOME", "~", (".aider.conf.yml", ".aider.model.settings.yml", ".aider.model.metadata.json",
+                                  ".env", ".aider/oauth-keys.env", ".gitconfig")),
     )
 
 

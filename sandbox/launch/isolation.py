@@ -16,7 +16,11 @@ tmpfs, and every file and directory under /etc that others may not read (/etc/sh
 keys, ...) by an unreadable stand-in; a root guard's run directory is mode 000 wherever and
 whenever it is made, which uid 0 without capabilities cannot enter (:mod:`sandbox.launch.runs`).
 The agent stays root (tools and images that expect it keep working); these masks are what make
-root's secrets not its own. See :func:`host_secrets`.
+root's secrets not its own. See :func:`host_secrets`. Into those empty trees come back, read-only,
+the agent's own installation (:mod:`sandbox.launch.install`) and nothing else of the home; and
+over every bind, last, the credential stores the sandbox would still show (an agent user's home
+bound back, a home outside the covered trees, a writable directory) are masked
+(:func:`visible_secrets`).
 With ``[sandbox] network = "none"`` the agent also gets a network namespace of its own.
 """
 
@@ -28,16 +32,17 @@ import os
 import shutil
 import stat
 import sys
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from guardfs.errors import UnavailableError
+from sandbox.launch.install import Installation
 from sandbox.launch.landlock import LandlockUnavailable, abi_version
 
 __all__ = [
     "MAX_ETC_MASKS", "SANDBOX_RUN_DIR", "HostMasks", "Isolation", "IsolationUnavailable", "bind_read_only",
     "bwrap_argv", "host_secrets", "mount_tmpfs", "private_mount_namespace", "probe", "reachable_by", "system_entry",
-    "unbind",
+    "unbind", "visible_secrets",
 ]
 
 #: Where the agent finds the guard inside the sandbox (GUARD_RUN_DIR).
@@ -170,6 +175,25 @@ def host_secrets(own_home: str | None = None, other_runs: Sequence[str] = ()) ->
     return HostMasks(tuple(dirs), tuple(files), reveal)
 
 
+def _under(path: str, trees: Iterable[str]) -> bool:
+    """Whether *path* is one of *trees* or lies below one."""
+    return any(path == t or path.startswith(t.rstrip("/") + "/") for t in trees)
+
+
+def visible_secrets(paths: Iterable[str], covered: Sequence[str], shown: Sequence[str], workspace: str) -> list[str]:
+    """Those of *paths* (credential stores: :func:`guardfs.manifest.outside_secrets`) that exist
+    and that the sandbox would show: outside every *covered* tree (an empty tmpfs: the homes,
+    /tmp), or inside one of the *shown* trees bound back (an agent user's home, a writable or
+    readable directory, an installation). Those are the ones to mask; inside the workspace the
+    mount and the manifest decide."""
+    out = []
+    for path in dict.fromkeys(os.path.normpath(p) for p in paths):
+        if os.path.lexists(path) and not _under(path, [workspace]) and (
+                not _under(path, covered) or _under(path, shown)):
+            out.append(path)
+    return out
+
+
 def reachable_by(path: str, uid: int, gids: Collection[int]) -> bool:
     """Whether a process of *uid* (with groups *gids*) may look *path* up: search permission,
     by the mode bits, on every directory above it. A directory with an access ACL counts as
@@ -217,6 +241,41 @@ def _keep_visible(covered: Sequence[str], other_user: bool = False) -> list[str]
     return out
 
 
+def _installed(installed: Installation, covered: Sequence[str], shown: Sequence[str],
+               reachable: Callable[[str], bool]) -> list[str]:
+    """bubblewrap arguments showing an agent's installation (:mod:`sandbox.launch.install`)
+    where a tmpfs covers it: each symlink recreated as it is (first: a tree bound later may
+    hold it), then each tree bound read-only. What the sandbox shows anyway is left as it is,
+    and what the agent's user cannot *reach* is left out (its bubblewrap could not bind it)."""
+    def needed(path: str) -> bool:
+        try:
+            return _under(path, covered) and not _under(path, shown) and reachable(path)
+        except OSError:  # gone, or not ours to reach
+            return False
+
+    trees = [t for t in installed.trees if needed(t) and os.path.exists(t)]
+    out: list[str] = []
+    for path, target in installed.links:
+        if needed(path) and not _under(path, trees):
+            out += ["--symlink", target, path]
+    for tree in trees:
+        out += ["--ro-bind", tree, tree]
+    return out
+
+
+def _masked(secrets: Sequence[str], mask_file: str | None) -> list[str]:
+    """bubblewrap arguments masking each credential store (:func:`visible_secrets`): a directory
+    by an empty mode-000 tmpfs, a file by *mask_file* (an empty mode-000 file); a read of either
+    is refused with EACCES, whatever the agent's uid (a root agent has no capabilities)."""
+    out: list[str] = []
+    for path in secrets:
+        if os.path.isdir(path):
+            out += ["--perms", "0000", "--tmpfs", path]
+        elif mask_file is not None:
+            out += ["--ro-bind", mask_file, path]
+    return out
+
+
 def system_entry() -> list[str]:
     """Run sandbox.launch.enter with the system's python3, for an agent user who cannot reach this
     interpreter (a virtualenv under /root, say): it needs the standard library only."""
@@ -247,6 +306,8 @@ def bwrap_argv(
     mask_file: str | None = None,
     network: str = "host",
     removals_fd: int | None = None,
+    installed: Installation | None = None,
+    secrets: Sequence[str] = (),
 ) -> list[str]:
     """The full command line that starts *command* isolated, in *cwd*.
 
@@ -259,7 +320,10 @@ def bwrap_argv(
     (:func:`host_secrets`), files covered by *mask_file*, an empty mode-000 file;
     *network* "none" gives the agent a network namespace of its own (loopback only);
     *removals_fd* is a socket (inherited) over which the sandbox's entry step hands the guard
-    its filter on directory removals (:mod:`sandbox.launch.seccomp`).
+    its filter on directory removals (:mod:`sandbox.launch.seccomp`); *installed* is what of the
+    agent's installation (and ``[sandbox] readable``) a tmpfs covers and must be shown read-only;
+    *secrets* are the credential stores to mask (:func:`visible_secrets`), masked last, over
+    every bind.
     """
     hidden = list(masks.dirs) if masks else []
     cover: list[str] = []
@@ -270,6 +334,10 @@ def bwrap_argv(
             cover += ["--ro-bind", mask_file, path]
     for path in masks.reveal if masks else ():
         cover += ["--ro-bind", path, path]
+    other_user = entry is not None
+    if installed is not None:
+        cover += _installed(installed, ["/tmp", *hidden], [*(masks.reveal if masks else ()), workspace],
+                            _traversable_by_all if other_user else os.path.exists)
     argv = [
         bwrap,
         "--die-with-parent",
@@ -279,7 +347,7 @@ def bwrap_argv(
         "--proc", "/proc",
         "--tmpfs", "/tmp",
         *cover,
-        *_keep_visible(["/tmp", *hidden], other_user=entry is not None),
+        *_keep_visible(["/tmp", *hidden], other_user=other_user),
         "--bind", mountpoint, workspace,
         *over_workspace,
         "--tmpfs", run_dir,
@@ -292,6 +360,7 @@ def bwrap_argv(
         argv += ["--ro-bind", source, dest]
     for path in writable:
         argv += ["--bind", path, path]
+    argv += _masked(secrets, mask_file)
     if network == "none":
         argv.append("--unshare-net")  # a namespace of its own: loopback only, abstract sockets included
     if os.geteuid() == 0:

@@ -35,7 +35,7 @@ import trio
 from guardfs.accounting import WriteAccounting
 from guardfs.errors import UsageError
 from guardfs.events import EventLog, printable
-from guardfs.manifest import Manifest
+from guardfs.manifest import Manifest, outside_secrets
 from guardfs.mount import check_fuse_available, init_mount, keepalive, mount_options
 from sandbox.agents import Event, to_messages
 from sandbox.agents.hooks import AGENT_STATE, agent_state, compiled_helper, launch
@@ -45,8 +45,10 @@ from sandbox.breaker.daemon import Daemon
 from sandbox.breaker.ledger import write_ledger
 from sandbox.exitcodes import Exit
 from sandbox.launch.inject import MidRunBinder
+from sandbox.launch.install import Installation, installation, resolve_command, reveal
 from sandbox.launch.isolation import (
     SANDBOX_RUN_DIR,
+    HostMasks,
     bwrap_argv,
     host_secrets,
     mount_tmpfs,
@@ -55,6 +57,7 @@ from sandbox.launch.isolation import (
     reachable_by,
     system_entry,
     unbind,
+    visible_secrets,
 )
 from sandbox.launch.lanes import LaneStage, plan_lanes
 from sandbox.launch.native import MidRunRules, NativeStage, plan_native, strip_set_id
@@ -119,6 +122,7 @@ def _say(text: str) -> None:
 def run(opts: RunOptions) -> int:
     """Run the agent under guard; returns the exit status."""
     bwrap = _sandbox_tool(opts)  # a usage error is said before anything about the machine
+    resolve_command(opts.command[0], _search_path(os.environ), str(opts.cwd))  # the same: before the mount
     check_fuse_available()
     run_dir = opts.run_dir
     claim_run_dir(run_dir)  # mode 000 as root: out of every sandbox's reach (sandbox.launch.runs)
@@ -133,7 +137,7 @@ def run(opts: RunOptions) -> int:
     stage, private = _stage(opts)
     mnt = stage / "mnt"
     mnt.mkdir(exist_ok=True)
-    _say(f"run directory {run_dir}")
+    _say_where(opts)
     events = EventLog(run_dir / "events.jsonl", caps=opts.manifest.record)
     lane_stage = LaneStage(stage)
     lane_args = _fast_lanes(opts, bwrap, lane_stage, events)
@@ -143,10 +147,11 @@ def run(opts: RunOptions) -> int:
     outcome = _Outcome(binder=_midrun_binder(opts, bwrap, private, events, planned))
     with open(run_dir / "workspace", "w", opener=lambda p, f: os.open(p, f, 0o600)) as marker:
         marker.write(str(opts.workspace))  # for an offline guard rollback
-    agent = AGENTS.get(opts.agent)
     session = Session(opts.manifest, opts.workspace, events, run_dir=run_dir, agent_path=stage / "agent.sock",
                       checkpoints=True, cache_timeout=opts.cache_timeout, xattrs=opts.xattrs,
-                      agent_files=agent.own_files if agent else (), agent_caches=agent.own_caches if agent else ())
+                      # the agent's own files in the workspace (the agents' table)
+                      agent_files=AGENTS[opts.agent].own_files if opts.agent in AGENTS else (),
+                      agent_caches=AGENTS[opts.agent].own_caches if opts.agent in AGENTS else ())
     for notice in session.notices:
         _say(notice)
     if outcome.binder is not None:
@@ -177,6 +182,14 @@ def run(opts: RunOptions) -> int:
     if not private:
         _say("(unprivileged run: the mount lived in the host's mount namespace and has been removed)")
     return status
+
+
+def _say_where(opts: RunOptions) -> None:
+    """The start banner's workspace (with where in it the agent starts) and run directory."""
+    inside = opts.cwd != opts.workspace and opts.cwd.is_relative_to(opts.workspace)
+    _say(f"workspace {opts.workspace}" + (f" (the agent starts in {os.path.relpath(opts.cwd, opts.workspace)}/)"
+                                          if inside else ""))
+    _say(f"run directory {opts.run_dir}")
 
 
 def _clear_stage(stage: Path, run_dir: Path) -> None:
@@ -296,6 +309,13 @@ def agent_environment(environ: dict[str, str], allowed: list[str]) -> dict[str, 
     return {k: v for k, v in environ.items() if k in exact or k.startswith(prefixes)}
 
 
+def _search_path(env: dict[str, str] | os._Environ[str]) -> str:
+    """The agent's PATH: the one it was started with (its own tools, found where they are
+    installed, first), then `guard exec` and `guard hook`, which must be found inside."""
+    tools = f"{Path(sys.argv[0]).resolve().parent}:{Path(sys.executable).parent}"
+    return f"{env.get('PATH', '/usr/bin:/bin')}:{tools}"
+
+
 def _agent_argv(
     opts: RunOptions, bwrap: str | None, daemon: Daemon, pty: bool, mnt: Path, lane_args: list[str],
     removals_fd: int | None = None,
@@ -303,10 +323,7 @@ def _agent_argv(
     # An agent of another user gets an allowlist of the guard's (root's) environment; an agent
     # of the guard's own user, that user's environment as it started guard.
     env = dict(os.environ) if opts.user is None else agent_environment(dict(os.environ), opts.manifest.sandbox.env)
-    # `guard exec` and `guard hook` must be found inside; appended, so the agent's own
-    # python and tools keep precedence.
-    tools = f"{Path(sys.argv[0]).resolve().parent}:{Path(sys.executable).parent}"
-    env["PATH"] = f"{env.get('PATH', '/usr/bin:/bin')}:{tools}"
+    env["PATH"] = _search_path(env)
     env["GUARD_LOG_MAX_BYTES"] = str(opts.manifest.sandbox.log_max_bytes)  # guard exec's cap
     rel = os.path.relpath(opts.cwd, opts.workspace) if opts.cwd.is_relative_to(opts.workspace) else "."
     # An agent of another user may not reach the helper built for this one: the Python hook.
@@ -320,6 +337,8 @@ def _agent_argv(
         files.append((str(written), f"{SANDBOX_RUN_DIR}/{name}"))
         env[var] = f"{SANDBOX_RUN_DIR}/{name}" if bwrap is not None else str(written)
     pw_agent = pwd.getpwnam(opts.user) if opts.user is not None else None
+    # The user's home, taken before an agent's state may move HOME (aider's is HOME itself).
+    home = pw_agent.pw_dir if pw_agent else env.get("HOME") or str(Path.home())
     state = agent_state(setup, mnt.parent, {**env, **({"HOME": pw_agent.pw_dir} if pw_agent else {})},
                         (pw_agent.pw_uid, pw_agent.pw_gid) if pw_agent else None)
     if state is not None and setup.state is not None:  # the agent's state of its own, bound writable
@@ -350,17 +369,25 @@ def _agent_argv(
     mask_file = mnt.parent / "unreadable"
     mask_file.touch(mode=0)
     mask_file.chmod(0)
+    executable = resolve_command(command[0], env["PATH"], str(opts.cwd))
+    installed = installation(executable, env["PATH"], str(opts.workspace.resolve())) | reveal(_readable(opts, home))
+    masks = host_secrets(own_home, other_runs)
+    writable = [str(p) for p in _extra_writable(opts)] + ([str(state)] if state else [])
+    secrets = _credential_stores(opts, home, masks, writable, installed)
     argv = bwrap_argv(
         bwrap=bwrap, mountpoint=str(mnt), workspace=str(opts.workspace), run_dir=str(opts.run_dir),
         agent_socket=str(daemon.agent_path), cwd=str(cwd), command=command,
-        writable=[str(p) for p in _extra_writable(opts)] + ([str(state)] if state else []), pty=pty,
+        writable=writable, pty=pty,
         entry=system_entry() if opts.user is not None else None, files=files, over_workspace=lane_args,
-        exec_logs=str(exec_logs), masks=host_secrets(own_home, other_runs),
+        exec_logs=str(exec_logs), masks=masks,
         mask_file=str(mask_file), network=opts.manifest.sandbox.network, removals_fd=removals_fd,
+        installed=installed, secrets=secrets,
     )
     if opts.user is not None:
         pw = pwd.getpwnam(opts.user)
-        env.update(HOME=pw.pw_dir, USER=pw.pw_name, LOGNAME=pw.pw_name)
+        env.update(USER=pw.pw_name, LOGNAME=pw.pw_name)
+        if state is None or setup.state is None or setup.state.var != "HOME":
+            env["HOME"] = pw.pw_dir
         # bubblewrap then runs unprivileged, in a user namespace of its own.
         argv = ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups", *argv]
     if pty:
@@ -438,6 +465,29 @@ def _strip_set_id(opts: RunOptions, trees: list[str], events: EventLog) -> None:
     for path in strip_set_id(opts.workspace.resolve(), trees):
         _say(f"{path}: set-user-ID/set-group-ID removed (left by the agent in a native generated tree)")
         events.emit("chmod", path, "deny", rule="native_generated", reason="set-user-ID/set-group-ID removed")
+
+
+def _readable(opts: RunOptions, home: str) -> list[str]:
+    """``[sandbox] readable``, ``~`` being the agent's *home*."""
+    return [home + entry[1:] if entry == "~" or entry.startswith("~/") else entry
+            for entry in opts.manifest.sandbox.readable]
+
+
+def _credential_stores(opts: RunOptions, home: str, masks: HostMasks, writable: list[str],
+                       installed: Installation) -> list[str]:
+    """The credential stores (guardfs.manifest.outside_secrets) the sandbox would show and so
+    masks, said aloud: of the agent's HOME and of its user's home in the password database."""
+    try:
+        own = pwd.getpwnam(opts.user).pw_dir if opts.user is not None else pwd.getpwuid(os.geteuid()).pw_dir
+    except KeyError:
+        own = home
+    paths = [p for h in dict.fromkeys((home, own)) for p in outside_secrets(opts.manifest.paths, h)]
+    found = visible_secrets(paths, ["/tmp", *masks.dirs], [*masks.reveal, *writable, *installed.trees],
+                            str(opts.workspace))
+    if found:
+        _say(f"credential stores masked (a read is refused with EACCES; outside the mount, so not counted): "
+             f"{', '.join(found)}")
+    return found
 
 
 def _extra_writable(opts: RunOptions) -> list[Path]:
