@@ -29,7 +29,9 @@ from guardfs.errors import ManifestError
 from guardfs.rules import RULES, Rule, default_recoverable
 
 __all__ = [
-    "DEFAULT_GENERATED", "DEFAULT_HOME_SECRETS", "DEFAULT_MANIFEST", "RULES", "BreakerSettings", "Limits", "Manifest", "Paths", "Record", "Rule", "Task",
+    "DEFAULT_GENERATED", "DEFAULT_HOME_SECRETS", "DEFAULT_MANIFEST", "RULES", "BreakerSettings", "Limits", "Manifest",
+    "Paths", "Record", "Rule", "Task",
+    "is_outside_secret",
     "load_manifest",
     "outside_secrets",
     "parse_manifest",
@@ -84,8 +86,42 @@ def _check_generated_not_broad(pattern: str) -> str:
         "rollback restores; name the cache or build directories instead"))
 
 
+def _check_protected_not_broad(pattern: str) -> str:
+    parts = [p for p in pattern.lstrip("!").split("/") if p]
+    if parts and parts[0] == ".git":
+        raise ValueError(f"{pattern!r} names git's internals, which paths.protected does not govern; set "
+                         "paths.git_internals = \"read-only\" to make them read-only")
+    return _refuse_broad(pattern, (
+        "it would make nearly every file read-only; for a read-only workspace leave paths.allowed "
+        "empty, and name the files or directories that must never be written"))
+
+
+def is_outside_secret(entry: str) -> bool:
+    """Whether a ``[paths] secret`` entry names a path outside the workspace (``~/...`` or
+    absolute) rather than a workspace pattern."""
+    return entry.startswith(("~/", "/"))
+
+
+def _check_secret(entry: str) -> str:
+    if not is_outside_secret(entry):
+        return _check_not_broad(_check_pattern(entry))
+    if any(c in entry for c in "*?[]\\\0\n"):
+        raise ValueError(f"{entry!r}: a secret outside the workspace (starting with '~/' or '/') is a literal "
+                         "path, not a pattern; name each file or directory")
+    parts = [p for p in entry.removeprefix("~/").split("/") if p]
+    if ".." in parts or "." in parts:
+        raise ValueError(f"{entry!r} has a '.' or '..' component; write the path it means")
+    if not parts:
+        whole = "home" if entry.startswith("~") else "filesystem"
+        raise ValueError(f"{entry!r} is over-broad: it would hide the whole {whole}; "
+                         "name the credential files or directories")
+    return entry
+
+
 Pattern = Annotated[str, AfterValidator(_check_pattern)]
 ForbiddenPattern = Annotated[str, AfterValidator(_check_pattern), AfterValidator(_check_not_broad)]
+SecretEntry = Annotated[str, AfterValidator(_check_secret)]
+ProtectedPattern = Annotated[str, AfterValidator(_check_pattern), AfterValidator(_check_protected_not_broad)]
 GeneratedPattern = Annotated[str, AfterValidator(_check_pattern), AfterValidator(_check_generated_not_broad)]
 
 #: The caches and build outputs of common tooling, the default of ``[paths] generated``
@@ -121,9 +157,14 @@ DEFAULT_HOME_SECRETS: tuple[str, ...] = (
 
 def outside_secrets(paths: Paths, home: str) -> list[str]:
     """The absolute paths outside the workspace that the sandbox masks for an agent whose home is
-    *home*: :data:`DEFAULT_HOME_SECRETS` and the manifest's own ``~/`` and absolute secrets."""
-    del paths  # the manifest's own outside secrets come with [paths] secret
-    return [os.path.join(home, name) for name in DEFAULT_HOME_SECRETS]
+    *home*: :data:`DEFAULT_HOME_SECRETS`, then the manifest's own ``~/`` and absolute secrets
+    (``~`` is *home*), each once, in that order."""
+    out = [os.path.join(home, name) for name in DEFAULT_HOME_SECRETS]
+    for entry in paths.secret:
+        if is_outside_secret(entry):
+            full = os.path.join(home, entry[2:]) if entry.startswith("~/") else entry
+            out.append(os.path.normpath(full))
+    return list(dict.fromkeys(out))
 
 
 def _unlimited(value: object) -> object:
@@ -154,24 +195,47 @@ class Task(_Strict):
 
 
 class Paths(_Strict):
-    """Which paths the agent may write and which it may not even read.
+    """Which paths the agent may write, which it may only read, and which it may not even read.
 
     Patterns are gitignore-style (pathspec ``GitIgnoreSpec``), relative to the workspace
     root; a leading '/' anchors a pattern to the root, a trailing '/' matches a directory
     and everything below it. Precedence: the guard's built-in protections first, then
-    ``forbidden``, then ``generated``, then ``allowed``; a path matched by none is out of
-    scope (readable, not writable).
+    ``secret`` (and ``forbidden``), then ``protected``, then ``generated``, then ``allowed``;
+    a path matched by none is out of scope (readable, not writable). A pattern that can match
+    at any depth ('**/migrations/', '*.pem') does not reach into a generated tree ('.venv/',
+    'node_modules/') unless it names that tree ('.venv/**/x').
     """
 
     allowed: list[Pattern] = Field(
         default_factory=list,
         description="Where writes may land. Empty (the default) means a read-only workspace.",
     )
+    secret: list[SecretEntry] = Field(
+        default_factory=list,
+        description=(
+            "Paths that can be neither read nor written (keys, .env files, credentials); wins over "
+            "every other key. An entry starting with '~/' or '/' is a literal path outside the "
+            "workspace ('~' is the agent's home), hidden in the sandbox in addition to the usual "
+            "credential stores (see the README); any other entry is a workspace pattern. Git may "
+            "not track a secret (see forbidden_in_git). Over-broad patterns such as '*' or '**' are "
+            "refused."
+        ),
+    )
     forbidden: list[ForbiddenPattern] = Field(
         default_factory=list,
         description=(
-            "Paths that can be neither read nor written; wins over 'allowed'. "
-            "Over-broad patterns such as '*' or '**' are refused."
+            "The former name of 'secret', kept working with the same meaning for workspace "
+            "patterns: the guard treats the union of both as secrets, and a refusal names the key "
+            "its pattern came from."
+        ),
+    )
+    protected: list[ProtectedPattern] = Field(
+        default_factory=list,
+        description=(
+            "Paths that can be read but never written, even inside 'allowed' or 'generated' (CI "
+            "workflows, migrations, lockfiles): a write is refused with EROFS and counts as a "
+            "refused write. Git may track them. The manifest itself (guard.toml at the workspace "
+            "root) is always protected. 'secret' wins over it."
         ),
     )
     generated: list[GeneratedPattern] = Field(
@@ -183,8 +247,8 @@ class Paths(_Strict):
             "they land in the workspace (a literal directory that exists when guard run starts, "
             "such as '.venv/', is bound natively: see [sandbox] native_generated); outside it they "
             "land in the run's scratch layer, which the agent sees and the workspace never does "
-            "(without a run directory they are refused quietly: an event, no trip). 'forbidden' and "
-            "the built-in protections win over it. Setting it replaces the default list (see the "
+            "(without a run directory they are refused quietly: an event, no trip). 'secret', "
+            "'protected' and the built-in protections win over it. Setting it replaces the default list (see the "
             "README); [] turns it off."
         ),
     )
@@ -192,8 +256,8 @@ class Paths(_Strict):
         default=False,
         description=(
             "Also treat what the repository's own root .gitignore ignores as generated, as it "
-            "reads when the guard starts (later edits of .gitignore change nothing). 'forbidden' "
-            "still wins."
+            "reads when the guard starts (later edits of .gitignore change nothing). 'secret' and "
+            "'protected' still win."
         ),
     )
     git_internals: Literal["writable", "read-only"] = Field(
@@ -207,14 +271,27 @@ class Paths(_Strict):
     forbidden_in_git: Literal["refuse", "hide-git", "warn"] = Field(
         default="refuse",
         description=(
-            "What guard does when git tracks a forbidden path (in HEAD or the index) at start: "
+            "What guard does when git tracks a secret (in HEAD or the index) at start (protected "
+            "paths may be tracked): "
             "its content is then readable through git's object store (git show HEAD:.env) "
             "whatever the mount refuses. 'refuse' (the default): do not start, naming them. "
             "'hide-git': run with .git/ forbidden to the agent (git does not work in the "
             "workspace). 'warn': run, and say at start that their contents are readable "
-            "through git. When git tracks no forbidden path, every mode runs unchanged."
+            "through git. When git tracks no secret, every mode runs unchanged."
         ),
     )
+
+    @property
+    def secret_patterns(self) -> list[tuple[str, str]]:
+        """The workspace secrets as (manifest key, pattern): ``secret``'s workspace patterns,
+        then ``forbidden``'s; the ``~/`` and absolute entries are :func:`outside_secrets`."""
+        return ([("paths.secret", p) for p in self.secret if not is_outside_secret(p)]
+                + [("paths.forbidden", p) for p in self.forbidden])
+
+    @property
+    def workspace_secrets(self) -> list[str]:
+        """The patterns of :attr:`secret_patterns`, for whoever needs no key."""
+        return [p for _key, p in self.secret_patterns]
 
 
 class Limits(_Strict):
@@ -500,7 +577,7 @@ def _key(loc: tuple[int | str, ...]) -> str:
 def _reason(err: ErrorDetails) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
-        return "unknown key (a typo? see 'guard check --help' for the schema)"
+        return "unknown key (a typo? 'guard schema' lists every key)"
     if kind == "missing":
         return "required key is missing"
     msg: str = err["msg"]

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 import pathspec
 
 from guardfs.gitguard import GitRole, git_role
-from guardfs.manifest import Manifest
+from guardfs.manifest import DEFAULT_MANIFEST, Manifest, is_outside_secret
 
 __all__ = [
     "AGENT_FILES_RULE", "GENERATED_KEYS", "GENERATED_RULE", "GIT_CHECKED_RULE", "GIT_GUARDED_RULE", "GUARD_DIR",
-    "Classification", "PathPolicy", "Scope", "git_log_kind", "is_git_state", "read_gitignore",
+    "PROTECTED_RULE", "Classification", "PathPolicy", "Scope", "git_log_kind", "is_git_state", "pattern_applies",
+    "read_gitignore",
 ]
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,13 @@ _GITIGNORE_RULE = "paths.generated_from_gitignore"
 AGENT_FILES_RULE = "built-in: the agent's own files"
 #: The keys that make a path generated output: a refusal under one never trips.
 GENERATED_KEYS = frozenset({GENERATED_RULE, _GITIGNORE_RULE, AGENT_FILES_RULE})
+#: The manifest key of paths readable but never writable.
+PROTECTED_RULE = "paths.protected"
+_MANIFEST_RULE = f"built-in: the manifest ({DEFAULT_MANIFEST} at the workspace root) is read-only"
+# A name standing in for a generated tree's own, to tell a pattern that names the tree from
+# one that only reaches into it through a wildcard: no pattern names it (patterns hold no
+# control characters in practice; one that did would only reach less).
+_STAND_IN = "\x01guard-generated-tree\x01"
 # Paths whose verdicts PathPolicy keeps at most (about 200 bytes each).
 _MEMO_MAX = 1 << 16
 
@@ -151,6 +159,63 @@ class Classification:
         return f"{self.key} {self.pattern!r}" if self.pattern is not None else self.key
 
 
+def _stand_in(probe: str, tree: str) -> str:
+    """*probe* with the name of the generated *tree* (an ancestor of it) replaced by _STAND_IN."""
+    return probe[:tree.rfind("/") + 1] + _STAND_IN + probe[len(tree):]
+
+
+def pattern_applies(spec: pathspec.GitIgnoreSpec, probe: str, tree: str | None) -> bool | None:
+    """Whether the one-pattern *spec* applies to *probe* (a trailing '/' for a directory)
+    lying inside the generated *tree* (None: in none): None when it does not match at all,
+    False when it matches only by reaching into the tree through a wildcard (it then does
+    not apply), True when it applies: it matches the tree as a whole, or names it."""
+    if not spec.match_file(probe):
+        return None
+    if tree is None or spec.match_file(tree + "/"):
+        return True
+    return not spec.match_file(_stand_in(probe, tree))
+
+
+class _Rules:
+    """The patterns of one class (secret, protected, allowed) compiled once, each with the
+    manifest key it came from, matched with the generated-tree rule (:meth:`check`)."""
+
+    def __init__(self, entries: Sequence[tuple[str, str]]) -> None:
+        self.entries = list(entries)
+        self._spec = pathspec.GitIgnoreSpec.from_lines([p for _k, p in self.entries])
+        self._each = [pathspec.GitIgnoreSpec.from_lines([p]) for _k, p in self.entries]
+        # The sub-specs of the patterns that apply inside some tree, by their indices: few
+        # distinct sets ever occur, and compiling one costs more than matching a path.
+        self._subsets: dict[tuple[int, ...], pathspec.GitIgnoreSpec] = {}
+
+    def check(self, probe: str, tree: str | None) -> tuple[bool | None, int | None]:
+        """(include, index of the deciding pattern) for *probe* (a trailing '/' for a
+        directory), gitignore semantics: the last matching pattern decides, a negation
+        excludes. Inside the generated *tree* (the workspace path of its root directory,
+        an ancestor of *probe*), a pattern applies only if it matches the tree's root as a
+        whole ('**', 'src/', '.venv/') or names the tree ('.venv/**/x'); one that reaches in
+        through a wildcard only ('**/migrations/', '*.pem') does not."""
+        hit = self._spec.check_file(probe)
+        if tree is None or hit.index is None:
+            return hit.include, hit.index
+        applying = tuple(i for i, one in enumerate(self._each) if pattern_applies(one, probe, tree))
+        if len(applying) == len(self.entries):
+            return hit.include, hit.index
+        if not applying:
+            return None, None
+        spec = self._subsets.get(applying)
+        if spec is None:
+            spec = self._subsets[applying] = pathspec.GitIgnoreSpec.from_lines(
+                [self.entries[i][1] for i in applying])
+        sub = spec.check_file(probe)
+        return sub.include, None if sub.index is None else applying[sub.index]
+
+    def reaches(self, probe: str, tree: str) -> list[int]:
+        """Indices of the patterns that match *probe* but do not apply there because it lies
+        inside the generated *tree* (for ``guard check``)."""
+        return [i for i, one in enumerate(self._each) if pattern_applies(one, probe, tree) is False]
+
+
 class PathPolicy:
     """Decides the scope of workspace-relative paths; pure and side-effect free.
 
@@ -161,8 +226,8 @@ class PathPolicy:
     answer, read-only; whoever builds a guarded run looks and says (see sandbox.session).
     *gitignore* holds the repository's .gitignore patterns (:func:`read_gitignore`), read
     when ``paths.generated_from_gitignore`` is on. *agent_files* and *agent_caches* are the
-    agent's own (patterns): generated output wherever they are, below the secrets only; its
-    files are kept in the workspace, its caches go to the scratch layer.
+    agent's own (patterns): generated output wherever they are, below the secrets and
+    ``paths.protected``; its files are kept in the workspace, its caches go to the scratch layer.
     """
 
     def __init__(
@@ -182,8 +247,11 @@ class PathPolicy:
         # but for the lock-file rename (and the unlink) that the mount judges itself.
         self.git_state_locked = git_state_locked
         paths = manifest.paths
-        self._forbidden = pathspec.GitIgnoreSpec.from_lines(paths.forbidden)
-        self._allowed = pathspec.GitIgnoreSpec.from_lines(paths.allowed)
+        # Secrets are the union of two keys' patterns (a negation in one narrows only its own).
+        self._secrets = [_Rules([(key, p) for key, p in paths.secret_patterns if key == name])
+                         for name in ("paths.secret", "paths.forbidden")]
+        self._protected = _Rules([(PROTECTED_RULE, p) for p in paths.protected])
+        self._allowed = _Rules([("paths.allowed", p) for p in paths.allowed])
         self._git_writable = paths.git_internals == "writable"
         self._mkdir_ancestors = _literal_ancestors(paths.allowed)
         self._generated = pathspec.GitIgnoreSpec.from_lines(paths.generated)
@@ -196,6 +264,8 @@ class PathPolicy:
         # what is fixed above, and matching every pattern set costs ~10 µs a path, paid again
         # each time the kernel forgets an inode and meets its name anew.
         self._memo: dict[tuple[str, bool], Classification] = {}
+        # Memo of generated_tree for directories: the root of the generated tree each lies in.
+        self._trees: dict[str, str | None] = {}
 
     def classify(self, path: str, is_dir: bool) -> Classification:
         """Classify *path* (relative to the root, '/'-separated, '' for the root itself)."""
@@ -215,14 +285,12 @@ class PathPolicy:
             return Classification(Scope.PROTECTED, "built-in: the guard's own files")
         if self.hide_git and (path == ".git" or path.startswith(".git/")):
             return Classification(Scope.FORBIDDEN, "paths.forbidden_in_git", "hide-git")
-        hit = self._forbidden.check_file(probe)
-        if hit.include and hit.index is not None:
-            return Classification(
-                Scope.FORBIDDEN, "paths.forbidden", self.manifest.paths.forbidden[hit.index]
-            )
-        for spec, patterns, scope in self._agent_own:
-            if (own := spec.check_file(probe)).include and own.index is not None:
-                return Classification(scope, AGENT_FILES_RULE, patterns[own.index])
+        tree = self._tree_above(path)
+        secret = self._secret(probe, tree)
+        if secret is not None:
+            return secret
+        if path == DEFAULT_MANIFEST:
+            return Classification(Scope.PROTECTED, _MANIFEST_RULE)
         role = git_role(path) if ".git" in path or path.endswith("HEAD") else None
         if path == ".git" or path.startswith(".git/"):
             if self.git_state_locked and self._git_writable and not is_dir:
@@ -232,11 +300,13 @@ class PathPolicy:
                     return Classification(Scope.GIT_CHECKED, GIT_CHECKED_RULE, kind)
             base = self._git_internal()
         else:
-            base = self._by_allowed(path, probe, is_dir)
+            base = self._by_allowed(path, probe, is_dir, tree)
             if base.scope is Scope.ALLOWED and ".git" in path and ".git" in path.split("/")[:-1]:
                 # Inside a nested repository's git directory: git's own bookkeeping (its
                 # index, objects, refs), never the agent's rewrites; names with a role below.
                 base = Classification(Scope.GIT_INTERNAL, _NESTED_INTERNAL_RULE)
+            elif (own := self._agent_own_rule(probe)) is not None:
+                base = own  # the agent's bookkeeping, wherever the task's scope is
             elif (generated := self._generated_rule(probe)) is not None:
                 key, pattern = generated
                 # Python bytecode goes to scratch even in scope: Python runs a .pyc instead of
@@ -245,9 +315,70 @@ class PathPolicy:
                 in_scope = base.scope is Scope.ALLOWED and not _bytecode(path)
                 scope = Scope.GENERATED if in_scope else Scope.GENERATED_OUTSIDE
                 base = Classification(scope, key, pattern)
+            # Protected wins over allowed and generated; output the run's scratch layer takes
+            # (generated outside allowed, Python bytecode) never reaches the workspace, so it
+            # stays there: a test run importing a protected migrations/ package writes its
+            # __pycache__ and trips nothing. A nested repository's git internals are git's.
+            if base.scope is not Scope.GENERATED_OUTSIDE and not (".git" in path and ".git" in path.split("/")[:-1]):
+                include, index = self._protected.check(probe, tree)
+                if include and index is not None:
+                    return Classification(Scope.PROTECTED, PROTECTED_RULE, self._protected.entries[index][1])
         if role is None or base.scope not in (Scope.ALLOWED, Scope.GIT_INTERNAL, Scope.GENERATED):
             return base  # a repository inside a read-only tree is as read-only as the tree
         return self._git(path, is_dir, role, base)
+
+    def _secret(self, probe: str, tree: str | None) -> Classification | None:
+        for rules in self._secrets:
+            include, index = rules.check(probe, tree)
+            if include and index is not None:
+                key, pattern = rules.entries[index]
+                return Classification(Scope.FORBIDDEN, key, pattern)
+        return None
+
+    def secret(self, path: str, is_dir: bool) -> Classification | None:
+        """The secret rule (``paths.secret`` or ``paths.forbidden``) that makes *path* a secret,
+        if any, by name alone: what native trees mask. Not memoised (a walk of an install
+        tree would flood the memo), but as cheap as one match of the secret patterns."""
+        return self._secret(path + "/" if is_dir else path, self._tree_above(path))
+
+    def generated_tree(self, directory: str) -> str | None:
+        """The root of the generated tree that *directory* is, or lies in: the highest
+        directory at or above it that ``paths.generated`` matches (``.venv``,
+        ``src/node_modules``), None outside every one. Patterns that match at any depth stop
+        at such a root (see :meth:`_Rules.check`)."""
+        if directory in self._trees:
+            return self._trees[directory]
+        parent = directory.rpartition("/")[0]
+        root = self.generated_tree(parent) if parent else None
+        if root is None and self._generated.match_file(directory + "/"):
+            root = directory
+        if len(self._trees) >= _MEMO_MAX:
+            self._trees.clear()  # bounded; refilled from what is in use
+        self._trees[directory] = root
+        return root
+
+    def _tree_above(self, path: str) -> str | None:
+        """The root of the generated tree that *path* lies strictly inside, if any."""
+        parent = path.rpartition("/")[0]
+        return self.generated_tree(parent) if parent else None
+
+    def reaching(self, path: str, is_dir: bool) -> list[tuple[str, str, str]]:
+        """(manifest key, pattern, tree) of every secret, protected or allowed pattern that
+        matches *path* but does not apply there because it only reaches into a generated
+        tree through a wildcard (for ``guard check``)."""
+        tree = self._tree_above(path)
+        if tree is None:
+            return []
+        probe = path + "/" if is_dir else path
+        return [(*rules.entries[i], tree) for rules in (*self._secrets, self._protected, self._allowed)
+                for i in rules.reaches(probe, tree)]
+
+    def _agent_own_rule(self, probe: str) -> Classification | None:
+        """The agent's own file or cache that *probe* is, if any."""
+        for spec, patterns, scope in self._agent_own:
+            if (hit := spec.check_file(probe)).include and hit.index is not None:
+                return Classification(scope, AGENT_FILES_RULE, patterns[hit.index])
+        return None
 
     def _generated_rule(self, probe: str) -> tuple[str, str] | None:
         """The manifest key and pattern that make *probe* generated output, if any."""
@@ -305,14 +436,12 @@ class PathPolicy:
             return Classification(Scope.PROTECTED, _GIT_LINK_RULE)
         return where
 
-    def _by_allowed(self, path: str, probe: str, is_dir: bool) -> Classification:
-        hit = self._allowed.check_file(probe)
-        if hit.include and hit.index is not None:
-            return Classification(Scope.ALLOWED, "paths.allowed", self.manifest.paths.allowed[hit.index])
-        if hit.index is not None:  # excluded by a negated allowed pattern
-            return Classification(
-                Scope.OUT_OF_SCOPE, "paths.allowed", self.manifest.paths.allowed[hit.index]
-            )
+    def _by_allowed(self, path: str, probe: str, is_dir: bool, tree: str | None) -> Classification:
+        include, index = self._allowed.check(probe, tree)
+        if include and index is not None:
+            return Classification(Scope.ALLOWED, "paths.allowed", self.manifest.paths.allowed[index])
+        if index is not None:  # excluded by a negated allowed pattern
+            return Classification(Scope.OUT_OF_SCOPE, "paths.allowed", self.manifest.paths.allowed[index])
         if is_dir and path in self._mkdir_ancestors:
             # A parent of a literal allowed directory: creating it is how the allowed one
             # comes to exist. It counts as a directory, so not toward the blast radius.
@@ -337,13 +466,22 @@ class PathPolicy:
         """The compiled policy as text, for ``guard check``."""
         m = self.manifest
         lim = m.limits
+        secrets = [f"  {p:<28} {key}" for key, p in m.paths.secret_patterns]
+        outside = [p for p in m.paths.secret if is_outside_secret(p)]
         lines = [
             f"task {m.task.id}: {m.task.goal}",
             "",
-            "precedence: built-in protections > paths.forbidden > paths.allowed > out of scope;",
-            "  paths.generated inside allowed: writable, uncounted; outside: refused quietly (no trip)",
+            "precedence: built-in protections > paths.secret (and paths.forbidden) > paths.protected",
+            "  > paths.generated > paths.allowed > out of scope (readable, a write refused: EROFS, scope_spill)",
+            "  generated inside allowed: writable, never counted nor kept for rollback;",
+            "  generated outside allowed (and Python bytecode anywhere): written to the run's scratch",
+            "  layer, which the agent sees and the workspace never does (no trip); not refused as",
+            "  protected either, since it never reaches the workspace",
+            "  a pattern matching at any depth ('**/migrations/', '*.pem') stops at a generated tree",
+            "  ('.venv/', 'node_modules/') unless it matches the tree as a whole or names it ('.venv/**/x')",
             "built-in protections:",
             f"  {GUARD_DIR}/              read-only (the guard's own files)",
+            f"  {DEFAULT_MANIFEST:<20} read-only (the manifest at the workspace root)",
             "  .git/hooks/          read-only (git may create *.sample templates)",
             "  .git/config          read-only if it existed when the mount started",
             "  every repository (.git at any depth): .git/ and hooks/ never renamed, replaced",
@@ -357,13 +495,18 @@ class PathPolicy:
             "  gitfiles, worktree gitdir/commondir: every write judged for the git directory named",
             "  HEAD outside .git/   refused (a bare repository); symlinks in .git/ name siblings only",
             f"  .git/ (the rest)     {m.paths.git_internals}, not counted toward limits",
-            "forbidden (no read, no write; EACCES):",
-            *(f"  {p}" for p in m.paths.forbidden or ["(none)"]),
-            "generated (never counted nor kept for rollback; out of scope: EROFS, no trip):",
+            "secret (no read, no write; EACCES, forbidden_path; git may not track them: "
+            f"forbidden_in_git = {m.paths.forbidden_in_git}):",
+            *(secrets or ["  (none)"]),
+            "secret outside the workspace (hidden in the sandbox, with the usual credential stores):",
+            *(f"  {p}" for p in outside or ["(none beyond the defaults)"]),
+            "protected (readable, never written; EROFS, scope_spill; git may track them):",
+            *(f"  {p}" for p in m.paths.protected or ["(none)"]),
+            "generated (never counted nor kept for rollback; outside allowed: the run's scratch layer):",
             *(f"  {p}" for p in m.paths.generated or ["(none)"]),
             *([f"  and the {len(self.gitignore)} pattern(s) of .gitignore"]
               if m.paths.generated_from_gitignore else []),
-            "allowed (writes land here; elsewhere EROFS):",
+            "allowed (writes land here, counted; elsewhere EROFS):",
             *(f"  {p}" for p in m.paths.allowed or ["(none: read-only workspace)"]),
             "limits:",
         ]

@@ -41,7 +41,8 @@ def default_state(manifest: Manifest, accounting: WriteAccounting, events: Event
     return (
         f"# guard state\n\n**Task {m.task.id}**: {m.task.goal}\n\n## Scope\n"
         f"- writes allowed in: {', '.join(m.paths.allowed) or 'nowhere (read-only)'}\n"
-        f"- forbidden (no read, no write): {', '.join(m.paths.forbidden) or 'nothing'}\n\n"
+        f"- secret (no read, no write): {', '.join(m.paths.workspace_secrets) or 'nothing'}\n"
+        f"- protected (read-only): {', '.join(m.paths.protected) or 'nothing'}\n\n"
         f"## Budget\n- files mutated: {accounting.distinct} of {max_files}\n"
         f"- denials so far: {events.counts['deny']}\n"
         + (f"\n## Files mutated\n{files}" if files else "")

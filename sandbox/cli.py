@@ -25,6 +25,13 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
+# The manifest's sections, for help texts (guardfs.schema generates the keys; a test keeps
+# these names in step with the model without importing pydantic here).
+_SECTION_NAMES = ("task", "paths", "limits", "breaker", "sandbox", "record")
+_SECTIONS = ", ".join(f"[{name}]" for name in _SECTION_NAMES)
+#: guardfs.manifest.DEFAULT_MANIFEST, kept here too so that `guard hook` imports no pydantic.
+DEFAULT_MANIFEST = "guard.toml"
+
 log = logging.getLogger("guard")
 
 # Without --manifest, `guard mount` serves a read-only view (git internals stay writable).
@@ -63,17 +70,30 @@ def _parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser(
         "check",
-        help="validate a scope manifest and print the compiled policy",
+        help="validate a scope manifest and lint it against the workspace",
         description=(
-            "Validate MANIFEST and print the compiled policy. Exits 0 when valid, 65 with a "
-            "message naming the file, the key and the reason when not. Schema: [task] id, goal; "
-            "[paths] allowed, forbidden (gitignore-style patterns), git_internals; [limits] "
-            "max_files, max_rewrites, window_steps, max_window_tokens, "
-            "max_tokens_without_progress, max_consecutive_failures, max_identical_calls, "
-            "stagnation_similarity, idle_timeout_s, max_steps."
+            f"Validate MANIFEST (default: {DEFAULT_MANIFEST} at the workspace's top level) and lint it against the "
+            "workspace: patterns that match nothing, negations that take nothing out, allowed patterns that "
+            "secret or protected ones void, patterns that stop at a generated tree, secrets git tracks. "
+            "Prints each warning with its fix, then one line; guard -v check also prints the compiled policy. "
+            "Exits 0 when valid (65 with --strict and a warning), 65 with a message naming the file, the key "
+            "and the reason when not. The manifest's sections: " + _SECTIONS + "; every key with its type, "
+            "default and meaning: guard schema."
         ),
     )
-    check.add_argument("manifest", metavar="MANIFEST", help="path of the TOML manifest")
+    check.add_argument("manifest", metavar="MANIFEST", nargs="?",
+                       help=f"path of the TOML manifest (default: WORKSPACE/{DEFAULT_MANIFEST})")
+    check.add_argument("--workspace", metavar="DIR", help="the workspace to lint against (default: the top level "
+                       "of the git repository the current directory is in, else the current directory)")
+    check.add_argument("--strict", action="store_true", help="exit 65 when there is a warning")
+
+    schema = sub.add_parser(
+        "schema",
+        help="print every manifest key with its type, default and meaning",
+        description="Print every key of the manifest, section by section, with its type, default and meaning, "
+                    "generated from the manifest's own model.",
+    )
+    schema.add_argument("section", nargs="?", choices=_SECTION_NAMES, help="only this section")
 
     mount = sub.add_parser(
         "mount",
@@ -216,10 +236,40 @@ def _manifest(path: str | None) -> Manifest:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from guardfs.manifest import load_manifest
+    from guardfs.lint import lint
+    from guardfs.manifest import is_outside_secret, load_manifest
     from guardfs.policy import PathPolicy
+    from sandbox.launch.workspace import workspace_for
 
-    print(PathPolicy(load_manifest(args.manifest)).describe())
+    workspace = workspace_for(Path.cwd(), args.workspace)
+    if not workspace.is_dir():
+        raise UsageError(f"workspace {workspace} is not a directory; give the workspace with --workspace DIR")
+    path = Path(args.manifest) if args.manifest else workspace / DEFAULT_MANIFEST
+    if not args.manifest and not path.exists():
+        raise UsageError(f"no manifest: {path} does not exist (guard check reads it when no MANIFEST is given). "
+                         'Write one with guard init --allow DIR... "the task\'s goal", or name one: guard check '
+                         "MANIFEST")
+    manifest = load_manifest(path)
+    warnings = lint(manifest, workspace)
+    for warning in warnings:
+        print(f"warning: {warning}")
+    p = manifest.paths
+    secrets = len([s for s in p.secret if not is_outside_secret(s)]) + len(p.forbidden)
+    outside = len(p.secret) - len([s for s in p.secret if not is_outside_secret(s)])
+    print(f"{path}: valid; {len(p.allowed)} allowed, {secrets} secret"
+          + (f" (and {outside} outside the workspace)" if outside else "")
+          + f", {len(p.protected)} protected pattern(s); {len(warnings)} warning(s)"
+          + (" (--strict: refused)" if warnings and args.strict else ""))
+    if args.verbose:
+        print()
+        print(PathPolicy(manifest).describe())
+    return Exit.DATAERR if warnings and args.strict else Exit.OK
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    from guardfs.schema import schema_text
+
+    print(schema_text(args.section))
     return Exit.OK
 
 
@@ -467,6 +517,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.verb == "check":
             return _cmd_check(args)
+        if args.verb == "schema":
+            return _cmd_schema(args)
         if args.verb == "demo":
             from sandbox.demo import run_demo
 

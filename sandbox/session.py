@@ -121,28 +121,31 @@ class Session:
 
     def _git_scope(self, manifest: Manifest, workspace: str | os.PathLike[str]) -> GitScope:
         """The workspace's git state at the start, and what ``paths.forbidden_in_git`` makes
-        of the forbidden paths git tracks (raises ForbiddenInGitError under "refuse")."""
+        of the secrets git tracks (raises ForbiddenInGitError under "refuse"). Only secrets:
+        git may track protected paths (they are readable anyway)."""
         scope = GitScope(workspace, self.policy)
         tracked = scope.tracked_forbidden
         if not tracked:
             return scope
         mode = manifest.paths.forbidden_in_git
         shown = ", ".join(tracked[:20]) + (f" and {len(tracked) - 20} more" if len(tracked) > 20 else "")
+        rules = ", ".join(sorted({self.policy.classify(p, False).describe() for p in tracked}))
         if mode == "refuse":
             scope.close()
             raise ForbiddenInGitError(
-                f"git tracks forbidden path(s) {shown}: their contents are readable through git "
-                "(git show HEAD:<path>) whatever the mount refuses. Remove them from git's history, "
-                'or set [paths] forbidden_in_git = "hide-git" (git unusable in the run) or "warn" '
-                "(run with them readable through git)")
+                f"git tracks secret path(s) {shown} ({rules}): their contents are readable through "
+                "git (git show HEAD:<path>) whatever the mount refuses. If they must only never be written "
+                "(CI workflows, migrations), move their patterns to [paths] protected, which git may track; "
+                "if they are secrets, remove them from git's history, or set [paths] forbidden_in_git = "
+                '"hide-git" (git unusable in the run) or "warn" (run with them readable through git)')
         if mode == "hide-git":
             self.policy = PathPolicy(manifest, git_config_existed=self.policy.git_config_existed, hide_git=True,
                                      git_state_locked=True, gitignore=self.policy.gitignore)
             scope.policy = self.policy
-            self.notices.append(f"git tracks forbidden path(s) {shown}: .git/ is forbidden to the agent "
+            self.notices.append(f"git tracks secret path(s) {shown}: .git/ is forbidden to the agent "
                                 "in this run (paths.forbidden_in_git = \"hide-git\"); git does not work here")
         else:
-            self.notices.append(f"WARNING: git tracks forbidden path(s) {shown}: their contents ARE readable "
+            self.notices.append(f"WARNING: git tracks secret path(s) {shown}: their contents ARE readable "
                                 "through git's object store in this run (paths.forbidden_in_git = \"warn\")")
         return scope
 

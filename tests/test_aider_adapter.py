@@ -54,10 +54,12 @@ def test_aiders_own_files_and_caches(path: str, is_dir: bool, scope: Scope) -> N
         assert policy().generated(path, is_dir)
 
 
-def test_a_secret_wins_over_the_agents_own_files() -> None:
-    where = policy('[task]\nid = "t"\ngoal = "g"\n[paths]\nforbidden = [".aider*"]\n').classify(
+@pytest.mark.parametrize(("key", "scope"), [("secret", Scope.FORBIDDEN), ("forbidden", Scope.FORBIDDEN),
+                                          ("protected", Scope.PROTECTED)])
+def test_a_secret_or_protected_pattern_wins_over_the_agents_own_files(key: str, scope: Scope) -> None:
+    where = policy(f'[task]\nid = "t"\ngoal = "g"\n[paths]\n{key} = [".aider*"]\n').classify(
         ".aider.chat.history.md", False)
-    assert where.scope is Scope.FORBIDDEN and where.pattern == ".aider*"
+    assert where.scope is scope and where.pattern == ".aider*", where
     # and another agent's run has no such files
     assert PathPolicy(parse_manifest(FIX_TAX)).classify(".aider.chat.history.md", False).scope is Scope.OUT_OF_SCOPE
 

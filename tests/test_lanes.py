@@ -18,6 +18,7 @@ import pytest
 from guardfs.errors import ManifestError
 from guardfs.events import EventLog
 from guardfs.manifest import parse_manifest
+from guardfs.policy import PathPolicy
 from sandbox.launch import lanes
 from sandbox.launch.lanes import LaneStage, plan_lanes
 from sandbox.launch.run import RunOptions, _fast_lanes
@@ -68,13 +69,16 @@ def test_plan_picks_out_of_scope_trees_and_splits_them_around_forbidden_paths(tm
     assert "node_modules: paths.forbidden 'node_modules/pkg/secrets/' could match inside" in text
 
 
-def test_a_forbidden_pattern_at_any_depth_leaves_no_lanes(tmp_path: Path) -> None:
+def test_a_forbidden_pattern_at_any_depth_leaves_no_lanes_but_in_generated_trees(tmp_path: Path) -> None:
     """'.env*' could match in any directory, also for a file the host creates mid-run,
-    which a lane (a plain bind of the live directory) would show: no lanes, said why."""
+    which a lane (a plain bind of the live directory) would show: no lanes, said why. But
+    it does not reach into a generated tree (node_modules/), for the mount as for a lane
+    (guardfs.policy), so the lane there stays."""
     ws = tree(tmp_path / "ws")
     lanes = plan_lanes(parse_manifest(LANES.replace('"/.env*", ', '".env*", ')), ws)
-    assert lanes.trees == []
+    assert lanes.trees == ["node_modules/pkg/lib"]
     assert "paths.forbidden '.env*' matches at any depth" in lanes.skipped[0]
+    assert "node_modules" not in lanes.skipped[0]
     assert "'/.env*'" in lanes.skipped[0]  # the way out: anchor it
 
 
@@ -110,6 +114,36 @@ def test_forbidden_reach_never_misses_what_gitignore_matches() -> None:
                 assert not spec.match_file(below) and not spec.match_file(below + "/"), (pattern, below)
             checked += 1
     assert checked > 500  # the rule was put to the test, not skipped
+
+
+def test_forbidden_reach_in_a_generated_tree_never_misses_what_the_policy_makes_secret() -> None:
+    """Ground truth: PathPolicy.secret (what the mount and the native trees judge by), where
+    a pattern reaching at any depth stops at a generated tree unless it names it. Wherever
+    forbidden_reach says a pattern cannot reach beneath a directory of a generated tree, no
+    path beneath it is a secret by that pattern."""
+    rng = random.Random(20)  # noqa: S311 - a reproducible sample of patterns, not a secret
+    names = ["a", "node_modules", ".venv", ".env", "x.pem", "sec", "lib"]
+    tree_patterns = [*PATTERNS, "node_modules", ".venv", "n*", "*v*"]
+    checked = 0
+    for _ in range(3000):
+        pattern = "/".join(rng.choice(tree_patterns) for _ in range(rng.randint(1, 3)))
+        pattern = ("**/" if rng.random() < 0.3 else "") + pattern + ("/" if rng.random() < 0.3 else "")
+        try:
+            manifest = parse_manifest(f'[task]\nid = "t"\ngoal = "g"\n[paths]\nsecret = ["{pattern}"]\n'
+                                      'generated = ["node_modules/", ".venv/"]\n')
+        except ManifestError:
+            continue  # over-broad: never a manifest's
+        policy = PathPolicy(manifest)
+        directory = "/".join(rng.choice(names) for _ in range(rng.randint(1, 3)))
+        within = policy.generated_tree(directory)
+        if within is None:
+            continue
+        if lanes.forbidden_reach(pattern, directory, within) is lanes.Reach.NONE:
+            for _ in range(10):
+                below = directory + "/" + "/".join(rng.choice(names) for _ in range(rng.randint(1, 3)))
+                assert policy.secret(below, False) is None and policy.secret(below, True) is None, (pattern, below)
+            checked += 1
+    assert checked > 300  # the rule was put to the test, not skipped
 
 
 @pytest.mark.parametrize(("pattern", "directory", "reach"), [
@@ -321,8 +355,9 @@ print(json.dumps(out), flush=True)
 @pytest.mark.parametrize(("forbid", "created", "lanes_left"), [
     # Anchored: docs/ could hold a match, so it is behind the mount; its subdirectory a lane.
     ("/.env*", ["docs/.env.late"], "docs/api"),
-    # At any depth: a match could appear in any directory, so there are no lanes at all.
-    (".env*", ["docs/api/.env.late", "vendor/lib/.env", "src/auth/.env"], None),
+    # At any depth: a match could appear in any directory, so there are no lanes but in the
+    # generated tree node_modules/, which the pattern does not reach into.
+    (".env*", ["docs/api/.env.late", "vendor/lib/.env", "src/auth/.env"], "node_modules/pkg/lib"),
 ])
 def test_a_forbidden_file_the_host_creates_mid_run_is_neither_listed_nor_readable(
     tmp_path: Path, user: str | None, forbid: str, created: list[str], lanes_left: str | None,
@@ -343,7 +378,7 @@ def test_a_forbidden_file_the_host_creates_mid_run_is_neither_listed_nor_readabl
         manifest.write_text(LANES.replace('"/.env*", ', f'"{forbid}", ')
                             .replace("[sandbox]", '[breaker]\nrecoverable = ["forbidden_path"]\n[sandbox]')
                             + f'writable = ["{exposed}"]\n')
-        lists = sorted({os.path.dirname(p) for p in created} | {"docs/api"})
+        lists = sorted({os.path.dirname(p) for p in created} | {"docs/api"} | ({lanes_left} if lanes_left else set()))
         run_dir = tmp_path / "run"
         agent = subprocess.Popen(
             [sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest), "--run-dir", str(run_dir),
@@ -373,6 +408,8 @@ def test_a_forbidden_file_the_host_creates_mid_run_is_neither_listed_nor_readabl
         assert "LATE-SECRET" not in (run_dir / "stdout.log").read_text()
         events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
         assert any(e.get("decision") == "deny" and e["path"] == created[0] for e in events)
+        if forbid == ".env*":
+            assert "matches at any depth" in err
         if lanes_left:
             assert "fast lanes (read natively" in err
             assert not found["fs"][lanes_left].startswith("fuse"), found  # still a lane

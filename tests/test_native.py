@@ -26,11 +26,13 @@ id = "native"
 goal = "Fix the tax helper"
 [paths]
 allowed = ["src/checkout/**"]
-forbidden = [".env*", "**/secrets/"]
+forbidden = [".env*", "**/secrets/", "**/.venv/.env*", "**/node_modules/**/secrets/"]
 generated = [".venv/", "node_modules/", "/src/checkout/build/", "target/", "*.egg-info/"]
 [limits]
 max_files = 2
 """
+# '.env*' and '**/secrets/' match at any depth, so they stop at a generated tree (guardfs.policy):
+# the patterns that name .venv/ and node_modules/ are what reaches into them.
 
 
 def tree(root: Path) -> Path:

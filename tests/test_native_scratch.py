@@ -119,7 +119,11 @@ def test_rules_for_a_new_scratch_root(tmp_path: Path, monkeypatch: pytest.Monkey
     assert rules.scratch_refusal(".git/x/node_modules") == (".git/x/node_modules: inside a repository's .git/ "
                                                             "or the guard's own files")
     (scratch / "lib/node_modules/.env.prod").write_text("SECRET=2\n")
-    assert rules.scratch_refusal("lib/node_modules") == ("lib/node_modules: forbidden paths are already inside; "
+    # '.env*' stops at a generated tree (guardfs.policy); a pattern naming the tree reaches in.
+    assert rules.scratch_refusal("lib/node_modules") is None
+    named = MidRunRules(parse_manifest(manifest.read_text().replace('[".env*"]', '[".env*", "**/node_modules/.env*"]')),
+                        ws, planned=[], scratch=scratch)
+    assert named.scratch_refusal("lib/node_modules") == ("lib/node_modules: forbidden paths are already inside; "
                                                          "it stays behind the mount")
     # A symlinked parent, in the workspace the agent walks or in the scratch layer.
     (ws / "a").symlink_to("src")

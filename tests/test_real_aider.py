@@ -69,7 +69,7 @@ def repository(tmp_path: Path, gitconfig: str | None = None) -> tuple[Path, Path
     manifest = tmp_path / "guard.toml"
     # What `guard init --allow src/checkout/ "..."` writes for this repository.
     manifest.write_text(f'[task]\nid = "fix-tax"\ngoal = "{GOAL}"\n'
-                        '[paths]\nallowed = ["src/checkout/"]\nforbidden = [".env*"]\n')
+                        '[paths]\nallowed = ["src/checkout/"]\nsecret = [".env*"]\n')
     return ws, home, manifest
 
 

@@ -622,8 +622,9 @@ class Breaker:
             f"Rule: {trip.rule.value}" + (f" (limits.{key})" if (key := RULES[trip.rule].limit_key) else ""),
             f"Task {m.task.id}: {m.task.goal}",
             f"Scope: writes only in {', '.join(m.paths.allowed) or 'nowhere (read-only)'}; "
-            + (f"never touch {', '.join(m.paths.forbidden)}." if m.paths.forbidden
-               else "no path is forbidden beyond the guard's own protections."),
+            + (f"never touch {', '.join(m.paths.workspace_secrets)}." if m.paths.workspace_secrets
+               else "no path is forbidden beyond the guard's own protections.")
+            + (f" Never write {', '.join(m.paths.protected)}." if m.paths.protected else ""),
             f"Used: {files} files, {self._c.tokens_total} tokens ({window} in the last {len(self._c.window)} "
             f"steps), step {self._c.steps}.",
             f"The way back: {RULES[trip.rule].way_back}",
@@ -652,7 +653,8 @@ class Breaker:
             "task": {"id": m.task.id, "goal": m.task.goal},
             "scope": {
                 "allowed": list(m.paths.allowed),
-                "forbidden": list(m.paths.forbidden),
+                "forbidden": list(m.paths.workspace_secrets),
+                "protected": list(m.paths.protected),
                 "invariants": [".guard/ is read-only", ".git/hooks/ is read-only",
                                ".git/config is read-only if it existed at the start",
                                f"git internals are {m.paths.git_internals}"],

@@ -38,6 +38,8 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pathspec
+
 from guardfs.backing import Backing
 from guardfs.links import forbidden_links
 from guardfs.manifest import Manifest
@@ -74,12 +76,16 @@ def _anywhere(pattern: str) -> bool:
     return bool(body) and not body.startswith(("#", "!")) and ("/" not in body or body.startswith("**/"))
 
 
-def forbidden_reach(pattern: str, directory: str) -> Reach:
+def forbidden_reach(pattern: str, directory: str, tree: str | None = None) -> Reach:
     """Whether the gitignore-style *pattern* could match *directory* (workspace-relative)
-    or anything beneath it, whatever is created there later. Errs towards reaching: a
-    negation is ignored (it only narrows), a segment with a class or an escape matches all."""
+    or anything beneath it, whatever is created there later; *tree* is the root of the
+    generated tree *directory* is or lies in (PathPolicy.generated_tree), if any. Errs
+    towards reaching: a negation is ignored (it only narrows), a segment with a class or an
+    escape matches all."""
     body = pattern.rstrip()
     if not body or body.startswith(("#", "!")):
+        return Reach.NONE
+    if tree is not None and not _reaches_tree(body, tree):
         return Reach.NONE
     if _anywhere(body):
         return Reach.ALL
@@ -94,6 +100,17 @@ def forbidden_reach(pattern: str, directory: str) -> Reach:
         if not any(c in seg for c in "[\\") and not fnmatch.fnmatchcase(part, seg):
             return Reach.NONE
     return Reach.ALL if len(segments) == len(parts) else Reach.SOME
+
+
+def _reaches_tree(pattern: str, tree: str) -> bool:
+    """Whether *pattern* can apply inside the generated tree rooted at *tree*: the policy
+    lets it only if it matches the tree as a whole or names the tree (guardfs.policy); here,
+    a segment that could match the tree's name, other than one of '*' alone, counts as naming it."""
+    if pathspec.GitIgnoreSpec.from_lines([pattern]).match_file(tree + "/"):
+        return True
+    name = tree.rpartition("/")[2]
+    return any(seg.strip("*") and (any(c in seg for c in "[\\") or fnmatch.fnmatchcase(name, seg))
+               for seg in pattern.strip("/").split("/"))
 
 
 def _anchors(allowed: list[str]) -> list[str] | None:
@@ -176,24 +193,21 @@ def plan_lanes(manifest: Manifest, workspace: Path, max_lanes: int = MAX_LANES) 
                            if not any(p == c or p.startswith(c + "/") for c in candidates)]
     if not candidates:
         return lanes
-    patterns = [str(p) for p in manifest.paths.forbidden]
-    if anywhere := [p for p in patterns if _anywhere(p)]:
-        lanes.skipped.append(
-            f"{', '.join(sorted(candidates))}: paths.forbidden {anywhere[0]!r} matches at any depth, so a "
-            "forbidden file created in a lane during the run would be read there natively (a lane shows the "
-            "live directory and cannot hide a name that appears later); every path stays behind the mount. "
-            "Anchor the pattern where the secrets live (e.g. '/" + anywhere[0].lstrip("*/") + "') to allow lanes")
+    keyed = manifest.paths.secret_patterns
+    patterns = [p for _key, p in keyed]
+    candidates = _unreached(candidates, keyed, policy, lanes)
+    if not candidates:
         return lanes
     tainted = _hard_link_dirs(root, policy, candidates)
     for tree in sorted(candidates):
-        trees = _split(root, tree, patterns, tainted, dev, max_lanes)
+        trees = _split(root, tree, patterns, tainted, dev, max_lanes, policy)
         if trees is None:
             lanes.skipped.append(f"{tree}: more than {max_lanes} lanes once split around the forbidden paths "
                                  "inside; it stays behind the mount")
             continue
         if trees != [tree]:
-            why = next((f"paths.forbidden {p!r} could match inside" for p in patterns
-                        if forbidden_reach(p, tree) is not Reach.NONE),
+            why = next((f"{k} {p!r} could match inside" for k, p in keyed
+                        if forbidden_reach(p, tree, policy.generated_tree(tree)) is not Reach.NONE),
                        "it holds another name (a hard link) of a forbidden file")
             lanes.skipped.append(f"{tree}: {why}; "
                                  + (f"only {', '.join(trees)} {'is a lane' if len(trees) == 1 else 'are lanes'}, "
@@ -202,7 +216,27 @@ def plan_lanes(manifest: Manifest, workspace: Path, max_lanes: int = MAX_LANES) 
     return lanes
 
 
-def _split(root: Path, tree: str, patterns: list[str], tainted: set[str], dev: int, limit: int) -> list[str] | None:
+def _unreached(candidates: list[str], keyed: list[tuple[str, str]], policy: PathPolicy, lanes: Lanes) -> list[str]:
+    """The *candidates* that no secret pattern matching at any depth reaches (one reaches
+    every directory, but for generated trees it does not name); the others are said in
+    *lanes*' skipped."""
+    blocked: dict[tuple[str, str], list[str]] = {}
+    for tree in candidates:
+        within = policy.generated_tree(tree)
+        anywhere = [(k, p) for k, p in keyed if _anywhere(p) and (within is None or _reaches_tree(p, within))]
+        if anywhere:
+            blocked.setdefault(anywhere[0], []).append(tree)
+    for (key, pattern), trees in blocked.items():
+        lanes.skipped.append(
+            f"{', '.join(sorted(trees))}: {key} {pattern!r} matches at any depth, so a "
+            "forbidden file created in a lane during the run would be read there natively (a lane shows the "
+            "live directory and cannot hide a name that appears later); it stays behind the mount. "
+            "Anchor the pattern where the secrets live (e.g. '/" + pattern.lstrip("*/") + "') to allow lanes")
+    return [c for c in candidates if not any(c in trees for trees in blocked.values())]
+
+
+def _split(root: Path, tree: str, patterns: list[str], tainted: set[str], dev: int, limit: int,
+           policy: PathPolicy) -> list[str] | None:
     """The directories at and below *tree* that no forbidden pattern can reach, highest
     first: a directory on the way to a possible match goes through the mount, its other
     subdirectories are tried in turn. None past *limit* lanes."""
@@ -210,7 +244,8 @@ def _split(root: Path, tree: str, patterns: list[str], tainted: set[str], dev: i
     stack = [tree]
     while stack:
         path = stack.pop()
-        reach = {forbidden_reach(p, path) for p in patterns}
+        within = policy.generated_tree(path)
+        reach = {forbidden_reach(p, path, within) for p in patterns}
         if Reach.ALL in reach:
             continue
         if Reach.SOME not in reach and path not in tainted:

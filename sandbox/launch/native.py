@@ -396,10 +396,12 @@ def _masks(root: Path, tree: str, manifest: Manifest, limit: int,
     by name (*inodes*); (None, None) past *limit*. Symlinks are left: they resolve through the
     sandbox's own view, where their targets are judged.
 
-    Matched against ``paths.forbidden`` alone, which is all that makes a path forbidden
-    outside ``.git`` (PathPolicy.classify, ten times slower here, says the same): an
-    install tree can hold tens of thousands of files, walked at every start."""
-    forbidden = pathspec.GitIgnoreSpec.from_lines(manifest.paths.forbidden)
+    Judged by the secret patterns alone (PathPolicy.secret), which is all that makes a path
+    forbidden outside ``.git`` (PathPolicy.classify, ten times slower here, says the same):
+    an install tree can hold tens of thousands of files, walked at every start. A pattern
+    that only reaches into the tree through a wildcard ('**/*.pem') is no secret there, for
+    the mount as for the bind, so it masks nothing."""
+    policy = PathPolicy(manifest)
     files: list[str] = []
     dirs: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root / tree):
@@ -409,7 +411,7 @@ def _masks(root: Path, tree: str, manifest: Manifest, limit: int,
             path = f"{rel}/{name}"
             if os.path.islink(os.path.join(dirpath, name)):
                 continue
-            if forbidden.match_file(path + "/"):
+            if policy.secret(path, True) is not None:
                 dirs.append(path)
             else:
                 keep.append(name)
@@ -418,7 +420,7 @@ def _masks(root: Path, tree: str, manifest: Manifest, limit: int,
             path = f"{rel}/{name}"
             if os.path.islink(os.path.join(dirpath, name)):
                 continue
-            if forbidden.match_file(path) or (inodes and _linked(os.path.join(dirpath, name), inodes)):
+            if policy.secret(path, False) is not None or (inodes and _linked(os.path.join(dirpath, name), inodes)):
                 files.append(path)
         if len(files) + len(dirs) > limit:
             return None, None
