@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from guardfs.errors import ManifestError
+from guardfs.manifest import parse_manifest
 from sandbox.launch.install import installation
 from sandbox.launch.workspace import workspace_for
 
@@ -338,3 +340,14 @@ def test_a_workspace_file_shows_only_an_interpreter_found_on_path(tmp_path: Path
     assert installation(str(ws / "by-path"), search, str(ws)).trees == ()
     assert installation(str(ws / "link"), search, str(ws)).trees == ()
     assert installation(str(ws / "by-name"), search, str(ws)).trees == (str(hidden),)
+
+
+@pytest.mark.parametrize(("entry", "reason"), [
+    ("config/myagent", "must be an absolute path (or start with ~)"),
+    ("/", "is over-broad"),
+    ("~/../other", "escapes with '..'"),
+])
+def test_sandbox_readable_is_refused_as_writable_is(entry: str, reason: str) -> None:
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(FIX_TAX + f'[sandbox]\nreadable = ["{entry}"]\n')
+    assert "sandbox.readable" in str(info.value) and reason in str(info.value), str(info.value)

@@ -324,6 +324,9 @@ def _agent_argv(
     # of the guard's own user, that user's environment as it started guard.
     env = dict(os.environ) if opts.user is None else agent_environment(dict(os.environ), opts.manifest.sandbox.env)
     env["PATH"] = _search_path(env)
+    # The user's home, before an agent's state of its own may stand in for it (HOME itself, for
+    # some): where its credential stores are, and what ~ means in [sandbox] readable.
+    home = pwd.getpwnam(opts.user).pw_dir if opts.user is not None else env.get("HOME") or str(Path.home())
     env["GUARD_LOG_MAX_BYTES"] = str(opts.manifest.sandbox.log_max_bytes)  # guard exec's cap
     rel = os.path.relpath(opts.cwd, opts.workspace) if opts.cwd.is_relative_to(opts.workspace) else "."
     # An agent of another user may not reach the helper built for this one: the Python hook.
