@@ -340,8 +340,6 @@ def _agent_argv(
         files.append((str(written), f"{SANDBOX_RUN_DIR}/{name}"))
         env[var] = f"{SANDBOX_RUN_DIR}/{name}" if bwrap is not None else str(written)
     pw_agent = pwd.getpwnam(opts.user) if opts.user is not None else None
-    # The user's home, taken before an agent's state may move HOME (aider's is HOME itself).
-    home = pw_agent.pw_dir if pw_agent else env.get("HOME") or str(Path.home())
     state = agent_state(setup, mnt.parent, {**env, **({"HOME": pw_agent.pw_dir} if pw_agent else {})},
                         (pw_agent.pw_uid, pw_agent.pw_gid) if pw_agent else None)
     if state is not None and setup.state is not None:  # the agent's state of its own, bound writable
