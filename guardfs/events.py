@@ -29,7 +29,7 @@ from typing import Any, Protocol, TextIO
 
 from guardfs.manifest import Record
 
-__all__ = ["Emit", "EventLog", "escape_name", "json_safe", "md_text", "printable", "unescape"]
+__all__ = ["Emit", "EventLog", "escape_name", "json_safe", "md_text", "printable", "tally_kind", "unescape"]
 
 # What needs escaping in JSON: backslashes and lone surrogates (undecodable bytes carried by
 # surrogateescape are U+DC80..U+DCFF; JSON input can carry any other lone surrogate).
@@ -132,6 +132,23 @@ _NOISE_OPS = frozenset({"protocol"})
 DROPPED_EVERY_S = 1.0
 
 
+# Denials that refuse no operation of the agent's: the breaker's bookkeeping (a trip, counted
+# as one; the feedback delivered with a refusal, which has its own event; an operator's stop)
+# and a malformed socket message.
+_NOT_REFUSALS = frozenset({"trip", "breaker", "stop", "protocol"})
+
+
+def tally_kind(op: str, decision: str) -> str | None:
+    """What an event counts as, the one definition behind every count of a run (the console,
+    ``ledger.json``'s ``counts``, ``guard report``, the CI summary): ``"trips"``,
+    ``"denials"`` (an operation or a tool call the agent was refused), or None."""
+    if op == "trip":
+        return "trips"
+    if decision == "deny" and op not in _NOT_REFUSALS:
+        return "denials"
+    return None
+
+
 def _kept(op: str, decision: str, contact: object) -> bool:
     return op in _KEPT_OPS or (decision == "deny" and op not in _NOISE_OPS and contact is not False)
 
@@ -167,6 +184,9 @@ class EventLog:
         self.clock = clock
         self.caps = caps if caps is not None else Record()
         self.counts: Counter[str] = Counter()  # "read" (allowed reads, counted only), "deny", ops
+        #: Denials and trips (:func:`tally_kind`), each counted when emitted, dropped by a cap or not.
+        self.tally: Counter[str] = Counter({"denials": 0, "trips": 0})
+        self._watchers: list[Callable[[dict[str, object]], None]] = []
         self.dropped: Counter[str] = Counter()  # every event dropped by a cap, by op, for the run
         self._pending: Counter[str] = Counter()  # dropped since the last "dropped" line
         self._pending_caps: set[str] = set()
@@ -186,6 +206,10 @@ class EventLog:
         event: dict[str, object] = {"time": round(now, 6), "op": op, "path": path, "decision": decision}
         event.update((k, v) for k, v in fields.items() if v is not None)
         self.counts["deny" if decision == "deny" else op] += 1
+        if (kind := tally_kind(op, decision)) is not None:
+            self.tally[kind] += 1
+        for watcher in self._watchers:
+            watcher(event)
         if self._file is None:
             return event
         if not _kept(op, decision, fields.get("contact")) and (cap := self._over_cap(now)) is not None:
@@ -199,6 +223,12 @@ class EventLog:
             self._flush_dropped(now)  # at most one such line a second under a sustained flood
         self._write(event)
         return event
+
+    def watch(self, watcher: Callable[[dict[str, object]], None]) -> Callable[[], None]:
+        """Call *watcher* with every event as it is emitted (whatever the caps keep of it);
+        returns the function that stops it. It must not block: it runs inside the request."""
+        self._watchers.append(watcher)
+        return lambda: self._watchers.remove(watcher)
 
     def _over_cap(self, now: float) -> str | None:
         """The cap that drops an event now, if any; takes a token from the bucket if not."""

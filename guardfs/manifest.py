@@ -357,11 +357,13 @@ class BreakerSettings(_Strict):
             "last checkpoint (the run's start, the last passing test, or guard checkpoint)."
         ),
     )
-    on_terminal: Literal["freeze", "stop"] = Field(
-        default="freeze",
+    on_terminal: Literal["auto", "freeze", "stop"] = Field(
+        default="auto",
         description=(
-            "What a terminal trip does to the agent: 'freeze' its process tree for a human "
-            "(guard approve / guard stop), or 'stop' it. In --ci runs it is always 'stop'."
+            "What a terminal trip does to the agent: 'freeze' its process tree until a human "
+            "runs guard approve or guard stop, or 'stop' it (exit 75). 'auto' (the default) "
+            "freezes only when someone can approve: the guard's stderr is a terminal and CI "
+            "is not set; otherwise it stops. --ci always stops."
         ),
     )
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -13,14 +15,16 @@ import stat
 import struct
 import subprocess
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from types import FrameType
 
 import pyfuse3
 import trio
 
-from guardfs.errors import MountError
+from guardfs.errors import MountError, UsageError
 from guardfs.fs import GuardFS
 
-__all__ = ["check_fuse_available", "fusermount", "init_mount", "keepalive", "mount_options", "serve"]
+__all__ = ["check_directory", "check_fuse_available", "check_mountpoint", "fusermount", "init_mount", "keepalive",
+           "mount_options", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +62,72 @@ def check_fuse_available() -> None:
             "/dev/fuse does not exist: load the fuse module (modprobe fuse) or, in a container, "
             "pass --device /dev/fuse --cap-add SYS_ADMIN"
         )
-    if os.access("/dev/fuse", os.R_OK | os.W_OK):
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        # fusermount3 is no way around it: it opens the device as the calling user (tested).
+        st = os.stat("/dev/fuse")
+        raise MountError(
+            f"/dev/fuse is mode {stat.S_IMODE(st.st_mode):04o} (owner uid {st.st_uid}, group gid {st.st_gid}): "
+            f"uid {os.geteuid()} may not open it, nor may fusermount3, which opens it as the same user; as "
+            "root, chmod 0666 /dev/fuse (the mode fuse3 gives it), or run guard as root"
+        )
+    if os.geteuid() == 0:
         return
     helper = shutil.which("fusermount3")
     if helper is None or not os.stat(helper).st_mode & stat.S_ISUID:
+        found = "there is no fusermount3 on PATH" if helper is None else f"{helper} is not setuid root"
         raise MountError(
-            "/dev/fuse is not readable and writable by this user, and there is no setuid fusermount3 "
-            "to mount for it (apt-get install fuse3)"
+            f"uid {os.geteuid()} may not mount, and {found} to mount for it; install fuse3 (apt-get install "
+            "fuse3: its fusermount3 is setuid root), or run guard as root"
+        )
+
+
+def check_directory(what: str, path: str) -> None:
+    """Raise UsageError unless *path* is a directory, naming a dead FUSE mount as such (*what*
+    is how the user gave it: "BACKING", "mountpoint")."""
+    try:
+        st = os.stat(path)  # may come from the kernel's cache of a dead mount's attributes
+        os.statvfs(path)  # never cached: a dead FUSE mount answers ENOTCONN
+    except OSError as err:
+        if err.errno in (errno.ENOTCONN, errno.ECONNABORTED):
+            raise UsageError(
+                f"{what} {path} is a dead FUSE mount: the guard that served it is gone ({err.strerror}); "
+                f"unmount it with fusermount3 -u {shlex.quote(path)} (as root: umount -l), then try again"
+            ) from err
+        if err.errno == errno.ENOENT:
+            raise UsageError(f"{what} {path} does not exist; create it (mkdir) or give an existing directory") \
+                from err
+        raise UsageError(f"{what} {path} cannot be used: {err.strerror}; give a directory you may use") from err
+    if not stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"{what} {path} is not a directory; give an existing directory")
+
+
+def _mount_at(path: str) -> str | None:
+    """What is mounted at *path* ("fuse.guardfs guardfs:task"), from /proc/self/mountinfo; None
+    when nothing is."""
+    target = os.path.realpath(path)
+    found = None
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8",
+                                            errors="surrogateescape") as table:
+        for line in table:
+            fields, _, tail = line.partition(" - ")
+            # The kernel escapes space, tab, newline and backslash as \ooo (octal).
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields.split(" ")[4])
+            if point == target:
+                found = " ".join(tail.split(" ")[:2])  # type and source; the last listed is on top
+    return found
+
+
+def check_mountpoint(mountpoint: str) -> None:
+    """Raise UsageError unless a new mount can go at *mountpoint*: an existing directory that is
+    neither a dead FUSE mount nor a mount already (mounting over it would hide it, silently)."""
+    check_directory("mountpoint", mountpoint)
+    mounted = _mount_at(mountpoint)
+    if mounted is not None or os.path.ismount(mountpoint):
+        what = f" ({mounted})" if mounted else ""
+        raise UsageError(
+            f"mountpoint {mountpoint} is already a mount{what}; a second mount would hide it. Unmount it "
+            f"first (fusermount3 -u {shlex.quote(mountpoint)}; for a guard mount: stop that guard), or "
+            "give another, empty directory"
         )
 
 
@@ -79,8 +142,8 @@ def mount_options(name: str = "guardfs") -> set[str]:
 def fusermount(mountpoint: str, options: set[str]) -> tuple[int, subprocess.Popen[bytes]]:
     """Mount through the setuid ``fusermount3`` and receive the /dev/fuse fd from it.
 
-    For a user who cannot open /dev/fuse (libfuse only falls back to fusermount3 when
-    mount(2) fails, not when the device cannot be opened). With ``auto_unmount``,
+    For a user who may not mount(2). (It opens /dev/fuse as that user: it is no way
+    around a device closed to them, see :func:`check_fuse_available`.) With ``auto_unmount``,
     fusermount3 stays behind and unmounts as soon as our end of the device closes: even a
     guard killed by SIGKILL leaves no mount.
     """
@@ -134,15 +197,42 @@ def init_mount(fs: GuardFS, mountpoint: str, options: set[str]) -> Callable[[], 
     return unmount
 
 
+# The signals that end a served mount.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[list[int]]:
+    """Record the stop signals that arrive while the block runs, instead of dying of them.
+
+    Their default action kills the process wherever it is: between the mount and the serve
+    loop's own receiver, or after that receiver returned, a SIGTERM left a dead mount
+    (ENOTCONN) behind. `timeout` sends its signal twice, to the process and to its group, so
+    the second often came just as the first was being handled. The loop's receiver replaces
+    these handlers while it listens, and puts them back after.
+    """
+    received: list[int] = []
+
+    def hold(signum: int, _frame: FrameType | None) -> None:
+        received.append(signum)
+
+    previous = {signum: signal.signal(signum, hold) for signum in _STOP_SIGNALS}
+    try:
+        yield received
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 async def _serve(
     fs: GuardFS,
-    handle_signals: bool,
+    held: list[int] | None,
     on_ready: Callable[[], None] | None,
     companions: Sequence[Callable[..., Awaitable[None]]],
 ) -> None:
     async with trio.open_nursery() as nursery:
-        if handle_signals:
-            nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
+        if held is not None:
+            await nursery.start(_stop_on_signal, nursery.cancel_scope, held)
         for companion in companions:
             await nursery.start(companion)  # e.g. the daemon: its sockets listen before we mount
         if on_ready is not None:
@@ -151,8 +241,14 @@ async def _serve(
         nursery.cancel_scope.cancel()  # unmounted from outside
 
 
-async def _stop_on_signal(scope: trio.CancelScope) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+async def _stop_on_signal(scope: trio.CancelScope, held: list[int],
+                          task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    with trio.open_signal_receiver(*_STOP_SIGNALS) as signals:
+        task_status.started()
+        if held:  # it came before the loop listened
+            log.info("received %s: unmounting", signal.Signals(held[0]).name)
+            scope.cancel()
+            return
         async for signum in signals:
             log.info("received %s: unmounting", signal.Signals(signum).name)
             scope.cancel()
@@ -170,21 +266,21 @@ def serve(
 ) -> None:
     """Mount *fs* at *mountpoint* and serve until a signal or an external unmount.
 
-    The mount is always removed before this returns, also when the loop fails; *fs* is
-    left open for its owner (a :class:`~sandbox.session.Session`) to close.
+    The mount is always removed before this returns, also when the loop fails or a signal
+    comes at any moment (with *handle_signals*, from before the mount until after the
+    unmount, SIGINT, SIGTERM and SIGHUP only end the loop); *fs* is left open for its owner
+    (a :class:`~sandbox.session.Session`) to close. As root libfuse mounts; anyone else
+    mounts through fusermount3 (:func:`init_mount`), which needs no access to /dev/fuse.
     *options* replaces :func:`mount_options` (tests use it to drop ``default_permissions``).
     *companions* run in the same trio loop (the breaker daemon) and are cancelled with it;
     each is started with ``nursery.start`` and must report ``task_status.started()``.
     """
     check_fuse_available()
-    if not os.path.isdir(mountpoint):
-        raise MountError(f"mountpoint {mountpoint} is not a directory; create it (mkdir) or give an existing one")
-    try:
-        pyfuse3.init(fs, mountpoint, mount_options() if options is None else options)
-    except RuntimeError as err:
-        raise MountError(f"cannot mount at {mountpoint}: {err}{_MOUNT_HINT}") from err
-    try:
-        with keepalive(mountpoint):
-            trio.run(_serve, fs, handle_signals, on_ready, companions)
-    finally:
-        pyfuse3.close(unmount=True)  # *fs* stays open: whoever built it closes it
+    check_mountpoint(mountpoint)
+    with _signals_held() if handle_signals else contextlib.nullcontext(None) as held:
+        unmount = init_mount(fs, mountpoint, mount_options() if options is None else options)
+        try:
+            with keepalive(mountpoint):
+                trio.run(_serve, fs, held, on_ready, companions)
+        finally:
+            unmount()  # *fs* stays open: whoever built it closes it

@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
             "75 the run was stopped"
         ),
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="log every denial to stderr")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every denial to stderr (also after the verb)")
+    p.add_argument("--version", action="version", version=f"guard (guardfs) {_version()}")
     sub = p.add_subparsers(dest="verb", required=True, parser_class=_Parser)
 
     check = sub.add_parser(
@@ -95,32 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     schema.add_argument("section", nargs="?", choices=_SECTION_NAMES, help="only this section")
 
-    mount = sub.add_parser(
-        "mount",
-        help="serve a guarded mount of BACKING at MOUNTPOINT in the foreground",
-        description=(
-            "Mount BACKING at MOUNTPOINT through guardfs and serve until SIGINT/SIGTERM or an "
-            "external unmount (fusermount3 -u), then unmount and exit 0. Without --manifest "
-            "the mount is read-only except git's internals."
-        ),
-    )
-    mount.add_argument("--manifest", metavar="M", help="scope manifest (TOML)")
-    mount.add_argument(
-        "--run-dir", metavar="D",
-        help="run the breaker daemon: agent.sock, control.sock, ledger.json, STATE.md and "
-             "events.jsonl in D (created if missing)",
-    )
-    mount.add_argument("--events", metavar="FILE", help="append events as JSON lines to FILE "
-                       "(default with --run-dir: D/events.jsonl)")
-    mount.add_argument(
-        "--cache-timeout", metavar="S", type=float, default=60.0,
-        help="seconds the kernel may cache entries and attributes (default 60)",
-    )
-    mount.add_argument("--xattrs", action="store_true",
-                       help="keep extended attributes on the mount (default: off; the kernel then skips the "
-                            "security.capability lookup it sends before every write, and tools get EOPNOTSUPP)")
-    mount.add_argument("backing", metavar="BACKING", help="the real workspace directory")
-    mount.add_argument("mountpoint", metavar="MOUNTPOINT", help="where the guarded view appears")
+    _add_init(sub)
+
+    _add_mount(sub)
 
     run = sub.add_parser(
         "run",
@@ -128,12 +106,14 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Mount the workspace through guardfs with the breaker daemon, then run CMD isolated "
             "(bubblewrap: PID namespace, read-only host, private /tmp; Landlock; no_new_privs) "
-            "so that the workspace's own path shows the guarded mount. Exit status: the agent's "
+            "so that the workspace's own path shows the guarded mount. Without --manifest it obeys "
+            "guard.toml at the workspace's top level (guard init writes one). Exit status: the agent's "
             "own, 75 when a breaker trip stopped it, 64 bad usage, 65 invalid manifest, 69 FUSE "
             "or isolation unavailable, 70 internal error."
         ),
     )
-    run.add_argument("--manifest", metavar="M", required=True, help="scope manifest (TOML)")
+    run.add_argument("--manifest", metavar="M", help="scope manifest (TOML); default: guard.toml at the "
+                     "workspace's top level, as guard init writes it")
     run.add_argument("--workspace", metavar="DIR", help="the workspace (default: the top level of the git "
                      "repository the current directory is in, else the current directory; the agent starts "
                      "in the current directory)")
@@ -168,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     exe.add_argument("command", metavar="CMD", nargs=argparse.REMAINDER, help="the command, after --")
 
     for name, text in (
-        ("status", "print the breaker's state and the ledger of a running guard"),
+        ("status", "print the breaker's state and the ledger of a run: live, or once it ended, from its ledger.json"),
         ("approve", "resume a run after a trip (optionally raising the limit that tripped)"),
         ("stop", "stop a run"),
         ("checkpoint", "mark a known-good point in a run"),
@@ -177,9 +157,14 @@ def _parser() -> argparse.ArgumentParser:
                      "after the run ended"),
     ):
         cmd = sub.add_parser(name, help=text, description=text + " (over the control socket in D).")
-        cmd.add_argument("--run-dir", metavar="D", required=True, help="the run directory of the guard")
         if name == "status":
+            cmd.add_argument("--run-dir", metavar="D", help="the run directory (default: the latest guard run "
+                             "of this workspace: the git top level of the current directory, else the directory)")
             cmd.add_argument("--json", action="store_true", help="print the ledger as JSON")
+            cmd.add_argument("--follow", action="store_true", help="print a line per change of the breaker's "
+                             "state until the run ends, then its last state; exits 0")
+        else:
+            cmd.add_argument("--run-dir", metavar="D", required=True, help="the run directory of the guard")
         if name == "approve":
             cmd.add_argument("--raise", dest="raise_to", metavar="N", type=int,
                              help="new value for the limit that tripped (must be higher)")
@@ -226,7 +211,80 @@ def _parser() -> argparse.ArgumentParser:
         help="play a drifting agent against a real guarded mount of a sample repository",
         description="Build a sample repository, guard it, and show what a drifting agent meets.",
     )
+    for verb in sub.choices.values():
+        _accept_verbose(verb)
     return p
+
+
+def _add_mount(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """The ``mount`` verb's arguments."""
+    mount = sub.add_parser(
+        "mount",
+        help="serve a guarded mount of BACKING at MOUNTPOINT in the foreground",
+        description=(
+            "Mount BACKING at MOUNTPOINT through guardfs and serve until SIGINT/SIGTERM or an "
+            "external unmount (fusermount3 -u), then unmount and exit 0. Without --manifest "
+            "the mount is read-only except git's internals."
+        ),
+    )
+    mount.add_argument("--manifest", metavar="M", help="scope manifest (TOML)")
+    mount.add_argument(
+        "--run-dir", metavar="D",
+        help="run the breaker daemon: agent.sock, control.sock, ledger.json, STATE.md and "
+             "events.jsonl in D (created if missing)",
+    )
+    mount.add_argument("--events", metavar="FILE", help="append events as JSON lines to FILE "
+                       "(default with --run-dir: D/events.jsonl)")
+    mount.add_argument(
+        "--cache-timeout", metavar="S", type=float, default=60.0,
+        help="seconds the kernel may cache entries and attributes (default 60)",
+    )
+    mount.add_argument("--xattrs", action="store_true",
+                       help="keep extended attributes on the mount (default: off; the kernel then skips the "
+                            "security.capability lookup it sends before every write, and tools get EOPNOTSUPP)")
+    mount.add_argument("backing", metavar="BACKING", help="the real workspace directory")
+    mount.add_argument("mountpoint", metavar="MOUNTPOINT", help="where the guarded view appears")
+
+
+def _add_init(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """The ``init`` verb's arguments."""
+    init = sub.add_parser(
+        "init",
+        help="write a commented guard.toml for a task, from what the repository holds",
+        description=(
+            "Write guard.toml at the top level of the repository the current directory is in (else the "
+            "current directory): the task (GOAL, an id derived from it), where the agent may write "
+            "(--allow), the secrets found there (.env files, keys, credentials; never read), the "
+            "protected paths present (CI workflows, migrations, lockfiles; read, never written) and the "
+            "generated trees of the ecosystems found, each section commented. Validated as guard check "
+            "validates; never replaces an existing guard.toml without --force. Then: guard run -- AGENT."
+        ),
+    )
+    init.add_argument("--allow", metavar="PATTERN", action="append", default=[],
+                      help="where the agent may write: a gitignore-style pattern relative to the repository's "
+                           "top level, like src/checkout/ (repeat for more; none: a read-only task)")
+    init.add_argument("--id", dest="task_id", metavar="ID", help="the task's id (default: from GOAL's words)")
+    init.add_argument("--force", action="store_true", help="replace an existing guard.toml")
+    init.add_argument("--workspace", metavar="DIR", help="the repository (default: as guard run finds it)")
+    init.add_argument("goal", metavar="GOAL", help="what the agent is to do, in a sentence")
+
+
+def _version() -> str:
+    """The installed distribution's version (its metadata, as pip shows it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("guardfs")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def _accept_verbose(verb: argparse.ArgumentParser) -> None:
+    """-v after the verb as before it (guard run -v as guard -v run), unless the verb gives
+    -v a meaning of its own. SUPPRESS: absent after the verb, it leaves guard -v's value alone."""
+    if "-v" not in verb._option_string_actions:
+        verb.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                          help="log every denial to stderr (as guard -v VERB)")
 
 
 def _manifest(path: str | None) -> Manifest:
@@ -275,19 +333,18 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 
 def _cmd_mount(args: argparse.Namespace) -> int:
     manifest = _manifest(args.manifest)
-    for what, path in (("BACKING", args.backing), ("MOUNTPOINT", args.mountpoint)):
-        if not os.path.isdir(path):
-            raise UsageError(f"{what} {path} is not a directory; give an existing directory")
     if os.path.realpath(args.backing) == os.path.realpath(args.mountpoint):
         raise UsageError(f"BACKING and MOUNTPOINT are both {args.backing}; mount the workspace at another "
                          "(empty) directory")
     if args.cache_timeout < 0:
         raise UsageError(f"--cache-timeout must be >= 0 seconds, not {args.cache_timeout:g}")
     try:
-        from guardfs.mount import serve  # needs libfuse
+        from guardfs.mount import check_directory, check_mountpoint, serve  # needs libfuse
         from sandbox.session import Session
     except ImportError as err:
         raise MountError(f"libfuse 3 is not usable ({err}); install fuse3 and libfuse3-3") from err
+    check_directory("BACKING", args.backing)
+    check_mountpoint(args.mountpoint)  # serve() checks it again; here before a run directory is made
     run_dir = Path(args.run_dir).resolve() if args.run_dir else None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -330,21 +387,33 @@ def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: Eve
     return Exit.TRIPPED if session.breaker.state is State.OPEN_STOPPED else Exit.OK
 
 
+def _run_manifest(given: str | None, workspace: Path) -> Manifest:
+    """The manifest guard run obeys: --manifest, else guard.toml at the top of *workspace*."""
+    from guardfs.manifest import DEFAULT_MANIFEST, load_manifest
+
+    if given is not None:
+        return load_manifest(given)
+    default = workspace / DEFAULT_MANIFEST
+    if not default.exists():
+        raise UsageError(f"no {DEFAULT_MANIFEST} in the workspace {workspace}, and no --manifest given; write one "
+                         "with guard init --allow DIR \"GOAL\" (DIR: where the agent may write), or pass "
+                         "--manifest M")
+    return load_manifest(default)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from sandbox.launch.isolation import IsolationUnavailable
     from sandbox.launch.run import SYSTEM_RUNS, RunOptions, default_run_dir, run
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        raise UsageError("no command given; put the agent's command after --: guard run --manifest M -- CMD ARGS...")
-    from guardfs.manifest import load_manifest
-
-    manifest = load_manifest(args.manifest)
+        raise UsageError("no command given; put the agent's command after --: guard run [--manifest M] -- CMD ARGS...")
     from sandbox.launch.workspace import workspace_for
 
     workspace = workspace_for(Path.cwd(), args.workspace)  # the repository's top level, unless --workspace
     if not workspace.is_dir():
         raise UsageError(f"workspace {workspace} is not a directory; give the workspace with --workspace DIR")
+    manifest = _run_manifest(args.manifest, workspace)
     run_dir = Path(os.path.realpath(args.run_dir)) if args.run_dir else default_run_dir(
         manifest.task.id, SYSTEM_RUNS if args.user is not None else None)
     if run_dir.is_relative_to(workspace) or workspace.is_relative_to(run_dir):
@@ -434,14 +503,19 @@ def _say_rolled_back(run_dir: Path, to: str) -> int:
 
 def _cmd_control(args: argparse.Namespace) -> int:
     from sandbox.breaker.client import GuardClient, GuardClientError, GuardUnreachable, control_socket_path
-    from sandbox.breaker.ledger import render_state
 
+    if args.verb == "status":
+        from sandbox.status import latest_run, show_status, this_workspace
+
+        run_dir = Path(args.run_dir) if args.run_dir else latest_run(this_workspace())
+        try:
+            return show_status(run_dir, as_json=args.json, follow=args.follow, out=sys.stdout)
+        except GuardClientError as err:  # the guard answered, and refused the request
+            raise type(err)(f"the guard in run directory {run_dir} refused status: {err}") from err
     run_dir = Path(args.run_dir)
     try:
         with GuardClient(control_socket_path(run_dir)) as guard:
-            if args.verb == "status":
-                reply = guard.status()
-            elif args.verb == "approve":
+            if args.verb == "approve":
                 reply = guard.approve(args.raise_to)
             elif args.verb == "stop":
                 reply = guard.stop()
@@ -457,9 +531,6 @@ def _cmd_control(args: argparse.Namespace) -> int:
         raise type(err)(f"the guard in run directory {run_dir} refused {args.verb}: {err}") from err
     if args.verb == "rollback":
         return _say_rolled_back(run_dir, args.to)
-    if args.verb == "status":
-        print(json.dumps(reply["ledger"], indent=2) if args.json else render_state(reply["ledger"]), end="")
-        return Exit.OK
     print(f"state: {reply['state']}")
     if not reply.get("allow", True) and args.verb == "approve":
         raise UsageError(reply.get("feedback", "refused"))
@@ -507,16 +578,35 @@ def _cmd_feed(args: argparse.Namespace) -> int:
     return Exit.DATAERR if rejected else Exit.OK
 
 
+def _refuse_nested(verb: str) -> None:
+    """Inside a guard run's sandbox (which has no /dev/fuse, by design) say so, rather than
+    that the fuse module is missing."""
+    inside = next((name for name in ("GUARD_SOCKET", "GUARD_RUN_DIR") if os.environ.get(name)), None)
+    if inside is not None and not os.path.exists("/dev/fuse"):
+        raise UnavailableError(
+            f"guard {verb} cannot start here: this is the sandbox of a guard run ({inside} is set), "
+            "which has no /dev/fuse, so no guard can be started inside another. Start it outside "
+            "the sandbox, on the host; inside a run, guard exec -- CMD quarantines one tool command"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``guard``; returns the exit status."""
     args = _parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="guard: %(message)s",
     )
     try:
+        if args.verb in ("run", "mount"):
+            _refuse_nested(args.verb)
         if args.verb == "check":
             return _cmd_check(args)
+        if args.verb == "init":
+            from sandbox.init import InitOptions, init
+
+            return init(InitOptions(args.goal, args.allow, Path.cwd(), ident=args.task_id, force=args.force,
+                                    workspace=args.workspace))
         if args.verb == "schema":
             return _cmd_schema(args)
         if args.verb == "demo":

@@ -1,7 +1,10 @@
 """What a finished (or live) run looked like, for people: ``guard report`` and CI conventions.
 
 One reader, :func:`load_run`, turns a run directory (``ledger.json``, ``events.jsonl``, the
-quarantined logs) into a :class:`RunRecord`; the renderers only format it:
+quarantined logs) into a :class:`RunRecord`; the renderers only format it. Its counts of
+denials and trips are the ledger's (``counts``, kept by the guard as each event happened),
+the same numbers the run's summary printed, whatever the event log's caps left out of
+``events.jsonl``; the rows are the events the log kept.
 
 - :func:`render_html`: one self-contained page (inline CSS and SVG, no script, no network);
 - :func:`github_annotations` and :func:`github_step_summary`: GitHub Actions' workflow
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from guardfs.errors import UsageError
+from guardfs.events import tally_kind
 
 __all__ = [
     "ANNOTATION_LIMIT", "ReportError", "RunRecord", "github_annotations", "github_step_summary", "load_run",
@@ -77,6 +81,11 @@ def load_run(run_dir: Path) -> RunRecord:
         pass  # a run that ended before its first event
     except OSError as err:
         raise ReportError(f"cannot read {run_dir / 'events.jsonl'}: {err}") from err
+    counts = ledger.get("counts")
+    if isinstance(counts, dict):  # a ledger of a guard before counts: what events.jsonl holds
+        for kind in ("denials", "trips"):
+            if isinstance(counts.get(kind), int):
+                record.counts[kind] = counts[kind]
     record.logs = sorted(p for p in [run_dir / "stdout.log", run_dir / "stderr.log",
                                      *sorted((run_dir / "exec").glob("*.log"))] if p.is_file())
     return record
@@ -93,14 +102,10 @@ def _take(record: RunRecord, raw: bytes) -> None:
         return
     record.counts["events"] += 1
     op = event.get("op")
-    if op == "step":
-        kind, rows = "steps", record.steps
-    elif op == "trip":
-        kind, rows = "trips", record.trips
-    elif event.get("decision") == "deny" and op not in ("breaker", "stop"):
-        kind, rows = "denials", record.denials
-    else:
+    kind = "steps" if op == "step" else tally_kind(str(op), str(event.get("decision")))
+    if kind is None:
         return
+    rows = {"steps": record.steps, "trips": record.trips, "denials": record.denials}[kind]
     record.counts[kind] += 1
     if len(rows) < ROW_LIMIT:
         rows.append(event)
@@ -209,20 +214,23 @@ def _trips_table(record: RunRecord) -> str:
     if not record.trips:
         return "<p>No trips: the breaker stayed closed.</p>"
     e = html.escape
-    rows = [[e(_text(t.get("step"))), e(_text(t.get("rule"))), e(_text(t.get("state"))), e(_text(t.get("reason"))),
-             f"<pre>{e(_text(t.get('feedback')))}</pre>"] for t in record.trips]
-    return _table(["step", "rule", "state", "reason", "feedback the agent got"], rows, frozenset({0}))
+    rows = [[e(_text(t.get("step"))), e(_text(t.get("rule"))), e(_text(t.get("on"))), e(_text(t.get("state"))),
+             e(_text(t.get("reason"))), f"<pre>{e(_text(t.get('feedback')))}</pre>"] for t in record.trips]
+    more = record.counts["trips"] - len(record.trips)
+    return _table(["step", "rule", "path", "state", "reason", "feedback the agent got"], rows, frozenset({0})) + (
+        f"<p class=muted>and {more} more not listed in events.jsonl.</p>" if more > 0 else "")
 
 
 def _denials_table(record: RunRecord) -> str:
-    if not record.denials:
+    if not record.denials and not record.counts["denials"]:
         return "<p>No operation was refused.</p>"
     e = html.escape
     rows = [[e(_text(d.get("op"))), e(_text(d.get("path"))), e(_text(d.get("rule"))), e(_text(d.get("errno"))),
              e(_text(d.get("reason")))] for d in record.denials]
     more = record.counts["denials"] - len(record.denials)
     return _table(["operation", "path", "rule", "errno", "reason"], rows) + (
-        f"<p class=muted>and {more} more in events.jsonl.</p>" if more > 0 else "")
+        f"<p class=muted>and {more} more (counted by the guard; events.jsonl lists those its caps "
+        "kept).</p>" if more > 0 else "")
 
 
 def _files_table(record: RunRecord) -> str:
@@ -265,7 +273,7 @@ def github_annotations(record: RunRecord, limit: int = ANNOTATION_LIMIT) -> list
     many more there were and where to look."""
     items: list[tuple[str, str, str]] = []  # (file, title, message)
     for trip in record.trips:
-        items.append(("", f"guard: {_text(trip.get('rule'))} trip",
+        items.append((_text(trip.get("on")), f"guard: {_text(trip.get('rule'))} trip",
                       f"step {_text(trip.get('step'))}: {_text(trip.get('reason'))}"))
     for denial in record.denials:
         items.append((_text(denial.get("path")), f"guard: {_text(denial.get('op'))} refused",
@@ -305,8 +313,9 @@ def github_step_summary(record: RunRecord, exit_status: int, artifact: str | Non
         f"| run directory | {'uploaded as artifact `' + cell(artifact) + '`' if artifact else cell(record.run_dir)} |",
     ]
     if record.trips:
-        lines += ["", "| step | rule | reason |", "|---|---|---|"]
-        lines += [f"| {cell(t.get('step'))} | {cell(t.get('rule'))} | {cell(t.get('reason'))} |" for t in record.trips]
+        lines += ["", "| step | rule | path | reason |", "|---|---|---|---|"]
+        lines += [f"| {cell(t.get('step'))} | {cell(t.get('rule'))} | {cell(t.get('on') or '-')} "
+                  f"| {cell(t.get('reason'))} |" for t in record.trips]
     if files:
         lines += ["", "| file | rewrites |", "|---|---|"]
         lines += [f"| {cell(path)} | {cell(info.get('rewrites'))} |" for path, info in files.items()]

@@ -216,7 +216,7 @@ class Session:
 
     def state_text(self) -> str:
         """``.guard/STATE.md`` as of now: bounded, every name escaped (always valid UTF-8)."""
-        return render_state(self.breaker.snapshot())
+        return render_state(self.daemon.snapshot() if self._daemon is not None else self.breaker.snapshot())
 
     # ----- effects ---------------------------------------------------------------------
 

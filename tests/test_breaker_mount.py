@@ -128,4 +128,5 @@ def test_guard_mount_with_run_dir_stops_with_75_and_leaves_nothing(tmp_path: Pat
     assert not os.path.ismount(mnt)
     assert not (run_dir / "agent.sock").exists() and not (run_dir / "control.sock").exists()
     assert "rounding ok" in (run_dir / "STATE.md").read_text()
-    assert guard("status", "--run-dir", str(run_dir)).returncode == 69
+    ended = guard("status", "--run-dir", str(run_dir))  # the guard is gone: its last ledger
+    assert ended.returncode == 0 and "has ended" in ended.stdout and "# guard state: OPEN_STOPPED" in ended.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -117,9 +118,86 @@ def test_feed_maps_an_absent_guard_like_the_control_verbs(tmp_path: Path) -> Non
 def test_usage_errors_name_the_problem_and_what_to_do(tmp_path: Path) -> None:
     proc = guard("mount", str(tmp_path / "nope"), str(tmp_path))
     assert proc.returncode == Exit.USAGE
-    assert proc.stderr == f"guard mount: BACKING {tmp_path / 'nope'} is not a directory; give an existing directory\n"
+    assert proc.stderr == (f"guard mount: BACKING {tmp_path / 'nope'} does not exist; create it (mkdir) or give an "
+                           "existing directory\n")
     proc = guard("exec")
     assert proc.returncode == Exit.USAGE and "put it after --" in proc.stderr
     proc = guard("report", "--run-dir", str(tmp_path / "nope"))
     assert proc.returncode == Exit.USAGE
     assert proc.stderr.startswith("guard report: ") and "the run directory guard run printed" in proc.stderr
+
+
+def test_version_comes_from_the_package_metadata() -> None:
+    from importlib.metadata import version
+
+    proc = guard("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"guard (guardfs) {version('guardfs')}\n"
+
+
+@pytest.mark.parametrize("argv", [["-v", "status"], ["status", "-v"]])
+def test_verbose_is_accepted_before_and_after_the_verb(tmp_path: Path, argv: list[str]) -> None:
+    """guard run -v was "unrecognized arguments" (only guard -v run was known)."""
+    proc = guard(*argv, "--run-dir", str(tmp_path / "nope"))
+    assert proc.returncode == Exit.UNAVAILABLE, proc.stderr  # parsed: it went on to look for the guard
+    assert "unrecognized" not in proc.stderr
+
+
+def _tracked_secret(tmp_path: Path) -> tuple[Path, Path]:
+    """A repository whose git tracks .env, and a manifest that makes .env secret: a refused start."""
+    from .test_run import workspace
+
+    ws, manifest = workspace(tmp_path)
+    subprocess.run(["git", "add", ".env"], cwd=ws, check=True)
+    return ws, manifest
+
+
+def test_a_refused_start_leaves_no_run_directory(tmp_path: Path) -> None:
+    ws, manifest = _tracked_secret(tmp_path)
+    given, state = tmp_path / "given-run", tmp_path / "state"
+    env = {**os.environ, "XDG_STATE_HOME": str(state)}
+    for run_dir in (["--run-dir", str(given)], []):
+        proc = subprocess.run([sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest), *run_dir,
+                               "--", "true"], cwd=ws, capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == Exit.DATAERR, proc.stderr
+        assert "git tracks forbidden path(s) .env" in proc.stderr, proc.stderr
+    assert not given.exists()
+    runs = state / "guardfs/runs"
+    assert not runs.exists() or not any(runs.iterdir()), list(runs.iterdir())
+    given.mkdir()  # one the user made is theirs: kept
+    proc = subprocess.run([sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest), "--run-dir",
+                           str(given), "--", "true"], cwd=ws, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == Exit.DATAERR, proc.stderr
+    assert given.is_dir()
+
+
+def test_run_without_a_manifest_says_how_to_get_one(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "sandbox", "run", "--", "true"], cwd=ws, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == Exit.USAGE, proc.stderr
+    assert proc.stderr == (f"guard run: no guard.toml in the workspace {ws}, and no --manifest given; write one with "
+                           'guard init --allow DIR "GOAL" (DIR: where the agent may write), or pass --manifest M\n')
+    assert "guard.toml" in guard("run", "--help").stdout
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_guard_run_inside_guard_run_names_the_cause(tmp_path: Path) -> None:
+    """It said "load the fuse module (modprobe fuse)"."""
+    from .test_run import guard_run, workspace
+
+    ws, manifest = workspace(tmp_path)
+    inner = f"""
+        import subprocess, sys
+        proc = subprocess.run([{sys.executable!r}, "-m", "sandbox", "run", "--ci", "--", "true"],
+                              capture_output=True, text=True)
+        print("inner", proc.returncode, proc.stderr, flush=True)
+    """
+    result = guard_run(manifest, ws, tmp_path / "run", inner, "--ci")
+    assert result.returncode == 0, result.stderr
+    log = (tmp_path / "run/stdout.log").read_text()
+    assert log == ("inner 69 guard run: guard run cannot start here: this is the sandbox of a guard run (GUARD_SOCKET "
+                   "is set), which has no /dev/fuse, so no guard can be started inside another. Start it outside the "
+                   "sandbox, on the host; inside a run, guard exec -- CMD quarantines one tool command\n\n"), log

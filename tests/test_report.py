@@ -63,8 +63,9 @@ def test_github_annotations_and_step_summary(run: tuple[Path, subprocess.Complet
     record = load_run(run_dir)
     assert errors == github_annotations(record)
     assert 0 < len(errors) <= ANNOTATION_LIMIT
-    # Trips first, each naming its rule; then denials, each pointing at its file.
-    assert errors[0].startswith("::error title=guard%3A scope_spill trip::step 3: README.md is outside")
+    # Trips first, each naming its rule and pointing at the file it tripped on; then denials.
+    assert errors[0].startswith("::error file=README.md,line=1,title=guard%3A scope_spill trip::step 3: README.md is "
+                                "outside")
     assert any(line.startswith("::error file=README.md,line=1,title=guard%3A ") for line in errors)
     assert any(line.startswith("::error file=notes|x.md,line=1,") for line in errors)
     assert all("\n" not in line for line in errors)

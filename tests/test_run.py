@@ -320,6 +320,7 @@ def test_rollback_after_create_modify_delete_rename(tmp_path: Path) -> None:
 @pytest.mark.mount
 def test_terminal_trip_freezes_then_rollback_and_approve_resume(tmp_path: Path) -> None:
     ws, manifest = workspace(tmp_path)
+    manifest.write_text(MANIFEST + 'on_terminal = "freeze"\n')  # asked for: no terminal on the guard's side here
     run_dir = tmp_path / "run"
     script = """
         import time

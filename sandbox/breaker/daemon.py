@@ -199,7 +199,7 @@ class Daemon:
         self.on_rollback = on_rollback
         self.agent_path = agent_path or run_dir / AGENT_SOCKET
         self.control_path = run_dir / CONTROL_SOCKET
-        self._written = -1
+        self._written: tuple[int, int] = (-1, -1)
         self._stopping = False
         self._sockets = {"agent": _Socket(), "control": _Socket()}
 
@@ -231,11 +231,22 @@ class Daemon:
             path.unlink(missing_ok=True)
         self.write_ledger()
 
+    def snapshot(self) -> dict[str, Any]:
+        """What the ledger holds: the breaker's snapshot, and the run's counts of denials and
+        trips (:func:`guardfs.events.tally_kind`), from which the console, ``guard report``
+        and the CI summary all take theirs."""
+        return {**self.breaker.snapshot(), "counts": dict(self.events.tally)}
+
+    def _version(self) -> tuple[int, int]:
+        """Changes when the ledger would: the breaker's version, and the counts (a denial
+        that trips nothing leaves the breaker as it was)."""
+        return self.breaker.version, self.events.tally.total()
+
     def write_ledger(self) -> None:
         """Write ledger.json and STATE.md now, if anything changed."""
-        if self._written != self.breaker.version:
-            self._written = self.breaker.version
-            write_ledger(self.run_dir, self.breaker.snapshot())
+        if self._written != self._version():
+            self._written = self._version()
+            write_ledger(self.run_dir, self.snapshot())
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve both sockets, write the ledger and tick the clock until cancelled.
@@ -436,7 +447,7 @@ class Daemon:
                     code, text = refuse_malformed(msg.event, err, msg.agent)
                 return {"v": VERSION, "ok": True, "exit": code, "stderr": text}
             case Status():
-                return {"v": VERSION, "ok": True, "state": b.state.value, "ledger": json_safe(b.snapshot()),
+                return {"v": VERSION, "ok": True, "state": b.state.value, "ledger": json_safe(self.snapshot()),
                         "connections": {k: v.counters() for k, v in self._sockets.items()}}
             case Approve():
                 return self._answer(b.approve(msg.raise_to))
@@ -475,11 +486,11 @@ class Daemon:
         """
         interval = self.breaker.manifest.record.ledger_min_interval_s
         while True:
-            if self._written == self.breaker.version:
+            if self._written == self._version():
                 await trio.sleep(LEDGER_INTERVAL_S)
                 continue
-            self._written = self.breaker.version
-            snap = self.breaker.snapshot()  # taken in the loop's thread: consistent
+            self._written = self._version()
+            snap = self.snapshot()  # taken in the loop's thread: consistent
             started = time.monotonic()
             await trio.to_thread.run_sync(write_ledger, self.run_dir, snap)
             await trio.sleep(max(interval, LEDGER_COST_FACTOR * (time.monotonic() - started)))

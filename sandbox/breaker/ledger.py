@@ -58,15 +58,17 @@ def render_state(snap: dict[str, Any]) -> str:
         f"- tokens: {tokens['total']} total, {tokens['window']} in the last {tokens['window_steps']} steps "
         f"(max {max_window}), {tokens['since_progress']} since the last progress",
         f"- steps: {snap['steps']}; failed tool calls in a row: {snap['consecutive_failures']}",
+        *([f"- denials (operations or tool calls refused): {counts['denials']}; trips: {counts['trips']}"]
+          if (counts := snap.get("counts")) else []),
     ]
     if files["list"]:
         lines += ["", "## Files mutated", "| file | rewrites |", "|---|---|"]
         lines += [f"| {md_text(path)} | {rec['rewrites']} |" for path, rec in files["list"].items()]
         lines += _more(omitted, "files", "more files (fewer rewrites)")
     if snap["trips"]:
-        lines += ["", "## Trips", "| step | rule | state | reason |", "|---|---|---|---|"]
-        lines += [f"| {t['step']} | {md_text(t['rule'])} | {md_text(t['state'])} | {md_text(t['reason'])} |"
-                  for t in snap["trips"]]
+        lines += ["", "## Trips", "| step | rule | path | state | reason |", "|---|---|---|---|---|"]
+        lines += [f"| {t['step']} | {md_text(t['rule'])} | {md_text(t.get('path') or '-')} | {md_text(t['state'])} "
+                  f"| {md_text(t['reason'])} |" for t in snap["trips"]]
         lines += _more(omitted, "trips", "trips between the first and the most recent")
     if snap["last_feedback"]:
         lines += ["", "## Last feedback", *_fenced(snap["last_feedback"])]

@@ -101,13 +101,15 @@ NO_EFFECTS: Effects = frozenset()
 
 @dataclass(frozen=True, slots=True)
 class Trip:
-    """One trip: which rule, the state it led to, at which step, and why."""
+    """One trip: which rule, the state it led to, at which step, why, and on which path
+    (workspace-relative; empty for a trip on no path: tokens, failures, idleness)."""
 
     rule: Rule
     state: State
     step: int
     time: float
     reason: str
+    path: str = ""
 
 
 #: Distinct tool calls remembered for repetition (least recently made forgotten first).
@@ -231,15 +233,16 @@ class Breaker:
             rule = self._rule_for_denial(request, policy)
             if rule is None:
                 return policy
-            return self._trip(rule, policy.reason, policy)
+            return self._trip(rule, policy.reason, policy, request.path)
         verdict = self._limits_decider.decide(request, policy)
         if not verdict.allow:
             rule = Rule.BLAST_RADIUS if verdict.rule == "limits.max_files" else Rule.OSCILLATION
-            return self._trip(rule, verdict.reason, verdict)
+            return self._trip(rule, verdict.reason, verdict, request.path)
         plan = request.rewrite
         if plan is not None and plan.cycle:
             reason = f"{plan.path} would return to an earlier version of itself (A→B→A)"
-            return self._trip(Rule.OSCILLATION, reason, Verdict(False, "oscillation", None, ERRNO_LIMIT, reason))
+            return self._trip(Rule.OSCILLATION, reason, Verdict(False, "oscillation", None, ERRNO_LIMIT, reason),
+                              plan.path)
         if request.mutating:
             # The feedback a trip owes lands on the agent's own next write, never on git's
             # index or ref update (not counted): that would leave git half-done.
@@ -256,7 +259,8 @@ class Breaker:
         whose effects are returned)."""
         plan = request.rewrite
         if plan is not None and plan.cycle:
-            self._trip(Rule.OSCILLATION, f"{plan.path} returned to an earlier version of itself (A→B→A)", None)
+            self._trip(Rule.OSCILLATION, f"{plan.path} returned to an earlier version of itself (A→B→A)", None,
+                       plan.path)
         elif request.where.scope.counted and not (plan is not None and plan.unchanged):
             self._changed_since_test = True
             self._progress()  # a write that leaves the content as it was is no progress
@@ -376,10 +380,20 @@ class Breaker:
         """A pre-tool hook asks: may this call, on these workspace-relative paths, run?
 
         *outside* are absolute paths outside the workspace: writing them is a scope spill.
+        A refusal is an event (``check``, on the path refused), as a refused operation is.
         """
         self._touch()
+        reply, path = self._check(tool, paths, args, mutating, outside)
+        if not reply.allow:
+            told = reply.feedback.split("\n", 1)[0]
+            self._emit("check", path, "deny", tool=tool, state=reply.state.value, reason=told[:500])
+        return reply
+
+    def _check(self, tool: str, paths: Sequence[str], args: Any, mutating: bool,
+               outside: Sequence[str]) -> tuple[Reply, str]:
+        """:meth:`check`'s answer, and the path it refused the call for (empty: the call itself)."""
         if self.state.terminal:
-            return Reply(False, self.state, self.last_feedback)
+            return Reply(False, self.state, self.last_feedback), ""
         trips = len(self.trips)
         targets = [(p, self.policy.classify(p, False)) for p in paths]
         if mutating:
@@ -389,15 +403,15 @@ class Breaker:
             verdict = self._decide(request, policy_verdict(request))
             if not verdict.allow:
                 trip = self.trips[-1] if len(self.trips) > trips else None
-                return self._out(Reply(False, self.state, verdict.reason, trip=trip))
+                return self._out(Reply(False, self.state, verdict.reason, trip=trip)), path
         if args is not None:
             reply = self._call(tool, args, "hook")
             if not reply.allow:
-                return self._out(reply)
+                return self._out(reply), ""
             if reply.warning:
-                return reply
+                return reply, ""
         verdict = self._gate(f"{tool} call") if mutating else ALLOW
-        return Reply(verdict.allow, self.state, verdict.reason)
+        return Reply(verdict.allow, self.state, verdict.reason), ""
 
     def note(self, kind: str, text: str) -> Reply:
         """A hypothesis disproved or an active subtask, for the ledger."""
@@ -578,10 +592,11 @@ class Breaker:
         self._effects.clear()
         return effects
 
-    def _trip(self, rule: Rule, reason: str, refused: Verdict | None) -> Verdict:
+    def _trip(self, rule: Rule, reason: str, refused: Verdict | None, path: str = "") -> Verdict:
         """Record a trip and move the state; returns the denial carrying the feedback.
 
-        *refused* is the operation being refused for it, if the trip has one.
+        *refused* is the operation being refused for it, if the trip has one; *path*, the
+        path it tripped on, if any.
         """
         err = refused.errno if refused is not None else ERRNO_LIMIT
         if self.state.terminal:
@@ -594,12 +609,13 @@ class Breaker:
             self.state = _OPEN_STATE[rule]
             self._refuse_next = False
             self._effects.add(Effect.FREEZE)
-        trip = Trip(rule, self.state, self._c.steps, self.now(), reason)
+        trip = Trip(rule, self.state, self._c.steps, self.now(), reason, path)
         self.trips.append(trip)
         self._changed_since_test = False  # a change before the trip vouches for no test after it
         self.last_feedback = self.feedback(trip)
+        # The path it tripped on is "on" (the event's own path stays "": a trip is no operation).
         self._emit("trip", "", "deny", rule=rule.value, state=self.state.value, step=trip.step, reason=reason,
-                   feedback=self.last_feedback)
+                   feedback=self.last_feedback, on=path or None)
         self._changed()
         rule_key = refused.rule if refused is not None else _limit_rule(rule)
         pattern = refused.pattern if refused is not None else None
@@ -667,7 +683,7 @@ class Breaker:
             "steps": c.steps,
             "consecutive_failures": c.consecutive_failures,
             "trips": [{"rule": t.rule.value, "state": t.state.value, "step": t.step, "time": t.time,
-                       "reason": t.reason} for t in trips],
+                       "reason": t.reason, "path": t.path} for t in trips],
             "last_feedback": feedback,
             "notes": notes,
             "checkpoints": checkpoints,

@@ -5,7 +5,9 @@ the output goes to logs under ``$GUARD_RUN_DIR/exec/`` (under ``guard run``, a d
 of the run directory on the host, bound into the sandbox, so the logs outlive the run),
 each capped at ``$GUARD_LOG_MAX_BYTES`` (head and tail kept, as the agent's own logs; the
 manifest's ``[sandbox] log_max_bytes``), the console gets a digest
-(exit status, the failing lines in at most 1,200 characters, the logs' paths), and the
+(exit status, the failing lines in at most 1,200 characters, the logs' paths: where they
+are on the host, ``RUN_DIR/exec/`` as ``guard run`` passes it in ``GUARD_HOST_EXEC_DIR``,
+and where the sandbox sees them), and the
 exit status goes to the breaker as a ``tool_result`` (consecutive failures, stagnation; a
 passing test marks a checkpoint). ``--live`` also streams the output as it comes.
 """
@@ -63,9 +65,20 @@ def run_exec(command: list[str], live: bool = False) -> int:
         for t in pumps:
             t.join()
         status = 128 - code if code < 0 else code
-    print(digest(f"{shlex.join(command)} exited with status {status}", [out_log, err_log]), flush=True)
+    print(digest(f"{shlex.join(command)} exited with status {status}", [out_log, err_log], failed=status != 0,
+                 shown=_where(out_log, err_log)), flush=True)
     _report(command, status)
     return status
+
+
+def _where(*logs: Path) -> str:
+    """Where the logs are, for the digest: on the host (for the human, who reads them in the
+    run directory), then here (for the agent, who may read them in its sandbox)."""
+    host = os.environ.get("GUARD_HOST_EXEC_DIR")
+    here = ", ".join(str(p) for p in logs)
+    if not host or Path(host) == logs[0].parent:
+        return here
+    return ", ".join(str(Path(host) / p.name) for p in logs) + f" (the same names in {logs[0].parent}/ in here)"
 
 
 def _log_cap() -> int | None:

@@ -2,7 +2,10 @@
 
 The streams go to log files in the run directory as they come, while the console sees
 them live (or, with ``--ci``, only the digest): the exit status, the failing lines
-(errors, assertions, tracebacks) that fit in 1,200 characters, and where the logs are.
+(errors, assertions, tracebacks, and the errno words of the guard's refusals) that fit in
+1,200 characters, and where the logs are. After a failure the last lines of each log come
+first, whatever words they hold: the line that says why a program exited is mostly its last
+(``bash: line 1: taggit/utils.py: Read-only file system``).
 A log keeps at most ``[sandbox] log_max_bytes`` of its stream: the first half and the
 last half, with one marker line between them saying how many bytes were left out, so a
 tool printing without end cannot fill the host's disk. The digest streams the logs in
@@ -11,6 +14,7 @@ bounded chunks: neither a whole log nor a whole line is ever held in memory.
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +28,11 @@ LOG_MAX_BYTES = 64 << 20
 # Words that mark a failing line, in any case. Searched with bytes.find on the lowered
 # text: a regex alternation scanned a 64 MiB log at ~15 MB/s, this at memchr speed.
 _FAILING = (b"error", b"fail", b"assert", b"traceback", b"exception", b"panic", b"fatal", b"denied",
-            b"refused", b"not found", b"segmentation")
+            b"refused", b"not found", b"segmentation",
+            # How the guard's refusals read to a program (EROFS, EDQUOT, EACCES, EPERM, EXDEV).
+            b"read-only file system", b"quota exceeded", b"not permitted", b"cross-device")
+#: Lines at the end of each log a failure's digest keeps first.
+TAIL_LINES = 3
 _OVERLAP = 16  # longer than any word of _FAILING, so one split across two chunks is still found
 _CHUNK = 1 << 16
 _LINE_KEEP = 1024  # bytes of a line kept for the digest, which shows at most 200 characters of one
@@ -186,40 +194,58 @@ def _lines(f: BinaryIO) -> Iterator[tuple[bytes, bool]]:
 def _failing_lines(path: Path, keep: int = 400) -> list[bytes]:
     """The last *keep* lines of *path* that look like failures, with traceback bodies
     (each line cut to its first _LINE_KEEP bytes)."""
-    found: list[bytes] = []
+    return [line for _, line in _scan(path, keep)[0]]
+
+
+def _scan(path: Path, keep: int = 400, tail: int = 0) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]:
+    """:func:`_failing_lines` of *path*, and its last *tail* lines that are not blank; each
+    as (line number, its first _LINE_KEEP bytes)."""
+    found: list[tuple[int, bytes]] = []
+    last: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=tail or None)
     in_traceback = False
     with open(path, "rb") as f:
-        for line, failing in _lines(f):
+        for number, (line, failing) in enumerate(_lines(f)):
+            if tail and line.strip():
+                last.append((number, line))
             if line.startswith(b"Traceback"):
                 in_traceback = True
             elif in_traceback and not line.startswith((b" ", b"\t")):
                 in_traceback = False
-                found.append(line)  # the exception line ending the traceback
+                found.append((number, line))  # the exception line ending the traceback
                 continue
             if in_traceback or failing:
-                found.append(line)
+                found.append((number, line))
                 if len(found) > keep * 2:
                     del found[:keep]
-    return found[-keep:]
+    return found[-keep:], list(last) if tail else []
 
 
-def digest(status: str, logs: list[Path], limit: int = DIGEST_LIMIT) -> str:
-    """At most *limit* characters: the status, the last failing lines, the logs' paths."""
+def digest(status: str, logs: list[Path], limit: int = DIGEST_LIMIT, *, failed: bool = False,
+           shown: str | None = None) -> str:
+    """At most *limit* characters: the status, the last failing lines, the logs' paths (or
+    *shown*, what to say of where they are). When the command *failed*, the last
+    :data:`TAIL_LINES` lines of each log are kept first, failure words or not."""
     head = f"guard: {status}"
-    tail = "full log: " + ", ".join(str(p) for p in logs)
+    tail = "full log: " + (shown if shown is not None else ", ".join(str(p) for p in logs))
     budget = limit - len(head) - len(tail) - 2
-    lines: list[str] = []
-    for log in logs:
+    failing: list[tuple[int, int, str]] = []  # (log, line number, text), in the logs' order
+    last: list[tuple[int, int, str]] = []
+    for index, log in enumerate(logs):
         if log.exists():
-            lines += [ln.decode("utf-8", "replace") for ln in _failing_lines(log)]
-    picked: list[str] = []
-    for raw in reversed(lines):  # the most recent failures matter most
+            found, end = _scan(log, tail=TAIL_LINES if failed else 0)
+            failing += [(index, n, ln.decode("utf-8", "replace")) for n, ln in found]
+            last += [(index, n, ln.decode("utf-8", "replace")) for n, ln in end]
+    picked: dict[tuple[int, int], str] = {}
+    # A failure's last lines first (the most recent first), then the failing lines, most recent first.
+    for where_log, number, raw in [*reversed(last), *reversed(failing)]:
+        if (where_log, number) in picked:
+            continue
         line = raw if len(raw) <= 200 else raw[:197] + "..."
         if len(line) + 1 > budget:
             break
-        picked.append(line)
+        picked[(where_log, number)] = line
         budget -= len(line) + 1
-    body = "\n".join(reversed(picked))
+    body = "\n".join(picked[key] for key in sorted(picked))
     text = "\n".join(part for part in (head, body, tail) if part)
     if len(text) > limit:  # only if the log paths alone are too long
         text = text[: limit - 3] + "..."

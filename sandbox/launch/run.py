@@ -24,7 +24,7 @@ import termios
 import time
 import traceback
 import tty
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -44,6 +44,7 @@ from sandbox.breaker import Breaker, Effect, Effects, State
 from sandbox.breaker.daemon import Daemon
 from sandbox.breaker.ledger import write_ledger
 from sandbox.exitcodes import Exit
+from sandbox.launch.console import LiveConsole
 from sandbox.launch.inject import MidRunBinder
 from sandbox.launch.install import Installation, installation, resolve_command, reveal
 from sandbox.launch.isolation import (
@@ -62,11 +63,19 @@ from sandbox.launch.isolation import (
 from sandbox.launch.lanes import LaneStage, plan_lanes
 from sandbox.launch.native import MidRunRules, NativeStage, plan_native, strip_set_id
 from sandbox.launch.quarantine import Recorder, console, digest
-from sandbox.launch.runs import claim_run_dir, live_run_dirs, registered, remove_stale_stages, stage_prefix
+from sandbox.launch.runs import (
+    SYSTEM_RUNS,
+    claim_run_dir,
+    live_run_dirs,
+    registered,
+    remove_stale_stages,
+    stage_prefix,
+    user_runs,
+)
 from sandbox.launch.supervisor import ProcessTree, Spawner, wait_exit
 from sandbox.session import Session
 
-__all__ = ["BASE_ENV", "SYSTEM_RUNS", "RunOptions", "agent_environment", "default_run_dir", "run"]
+__all__ = ["BASE_ENV", "SYSTEM_RUNS", "RunOptions", "agent_environment", "default_run_dir", "run", "terminal_action"]
 
 
 @dataclass
@@ -96,6 +105,8 @@ class _Outcome:
     recorders: list[Recorder] = field(default_factory=list)  # the agent's logs, for the summary
     binder: MidRunBinder | None = None  # binds generated trees made during the run, once the agent runs
     failure: dict[str, str] | None = None  # the guard's own defect: what it was, where its traceback is
+    stop_on_terminal: bool = True  # a terminal trip stops the run; else it freezes the agent (terminal_action)
+    console: LiveConsole | None = None  # the lines of denials and trips on the guard's stderr
 
     def recorder(self, log: Path, echo: BinaryIO | None, cap: int) -> Recorder:
         """A new quarantine log of the agent's, kept for the summary."""
@@ -103,14 +114,9 @@ class _Outcome:
         return self.recorders[-1]
 
 
-#: Where runs of an agent of another user (--user) go by default: root's home is closed to
-#: that user, whose bubblewrap must reach the run directory to hide it.
-SYSTEM_RUNS = Path("/var/lib/guardfs/runs")
-
-
 def default_run_dir(task_id: str, base: Path | None = None) -> Path:
     """A fresh directory under *base* (default: the user's state directory)."""
-    base = base or Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local/state") / "guardfs/runs"
+    base = base or user_runs()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return base / f"{stamp}-{task_id}-{os.getpid()}"
 
@@ -120,10 +126,24 @@ def _say(text: str) -> None:
 
 
 def run(opts: RunOptions) -> int:
-    """Run the agent under guard; returns the exit status."""
+    """Run the agent under guard; returns the exit status. A start refused before the mount
+    was up (a secret git tracks, a busy run directory, no mount) leaves no run directory
+    behind that it made: it held nothing yet."""
     bwrap = _sandbox_tool(opts)  # a usage error is said before anything about the machine
     resolve_command(opts.command[0], _search_path(os.environ), str(opts.cwd))  # the same: before the mount
     check_fuse_available()
+    made = not os.path.lexists(opts.run_dir)
+    started: list[bool] = []
+    try:
+        return _run(opts, bwrap, started)
+    except BaseException:
+        if made and not started:
+            shutil.rmtree(opts.run_dir, ignore_errors=True)
+        raise
+
+
+def _run(opts: RunOptions, bwrap: str | None, started: list[bool]) -> int:
+    """:func:`run`, from its run directory on; *started* gets an entry once the mount is up."""
     run_dir = opts.run_dir
     claim_run_dir(run_dir)  # mode 000 as root: out of every sandbox's reach (sandbox.launch.runs)
     # What the agent's side must reach (the mount, the agent socket, the staged lanes) lives,
@@ -138,13 +158,15 @@ def run(opts: RunOptions) -> int:
     mnt = stage / "mnt"
     mnt.mkdir(exist_ok=True)
     _say_where(opts)
+    stop_on_terminal = _say_terminal_action(opts)
     events = EventLog(run_dir / "events.jsonl", caps=opts.manifest.record)
     lane_stage = LaneStage(stage)
     lane_args = _fast_lanes(opts, bwrap, lane_stage, events)
     native_stage = NativeStage(stage)
     native_args, planned = _native_generated(opts, bwrap, native_stage, events, private)
     lane_args += native_args
-    outcome = _Outcome(binder=_midrun_binder(opts, bwrap, private, events, planned))
+    outcome = _Outcome(binder=_midrun_binder(opts, bwrap, private, events, planned),
+                       stop_on_terminal=stop_on_terminal, console=_live_console(events, run_dir))
     with open(run_dir / "workspace", "w", opener=lambda p, f: os.open(p, f, 0o600)) as marker:
         marker.write(str(opts.workspace))  # for an offline guard rollback
     session = Session(opts.manifest, opts.workspace, events, run_dir=run_dir, agent_path=stage / "agent.sock",
@@ -162,6 +184,7 @@ def run(opts: RunOptions) -> int:
         # the mode the kernel passes (with the agent's umask applied).
         session.prepare()
         unmount = init_mount(session.fs, str(mnt), mount_options(f"guardfs:{opts.manifest.task.id}"))
+        started.append(True)
         try:
             with keepalive(str(mnt)), registered(run_dir):
                 outcome.failure = _serve(opts, bwrap, session, outcome, mnt, lane_args)
@@ -176,7 +199,7 @@ def run(opts: RunOptions) -> int:
         lane_stage.cleanup()
         native_stage.cleanup()
         _clear_stage(stage, run_dir)
-    _ledger_failure(run_dir, breaker, outcome.failure)  # after the daemon's last write
+    _ledger_failure(run_dir, session.daemon, outcome.failure)  # after the daemon's last write
     status = _exit_status(outcome)
     _summary(opts, breaker, accounting, events, outcome, status)
     if not private:
@@ -257,10 +280,53 @@ def _serve(
     return None
 
 
-def _ledger_failure(run_dir: Path, breaker: Breaker, failure: dict[str, str] | None) -> None:
+def terminal_action(opts: RunOptions, environ: Mapping[str, str] = os.environ, console_fd: int = 2
+                    ) -> tuple[bool, str]:
+    """Whether a terminal trip stops the run (exit 75) rather than freezing the agent for a
+    human, and why (the start banner says it).
+
+    A freeze waits for 'guard approve' or 'guard stop': worth it only when someone learns that
+    the run waits. The guard says so on its stderr, so a terminal there is the sign of a human
+    who reads it; stdin is not (an approval never comes through it, and a script with its
+    stderr in a file may well have a terminal for stdin). --ci always stops; the manifest's
+    on_terminal = "freeze" or "stop" is asked for explicitly and holds otherwise; its default,
+    "auto", stops when CI is set or stderr is no terminal.
+    """
+    setting = opts.manifest.breaker.on_terminal
+    if opts.ci:
+        return True, "--ci"
+    if setting != "auto":
+        return setting == "stop", f'[breaker] on_terminal = "{setting}"'
+    ci = environ.get("CI", "")
+    if ci and ci.lower() not in ("0", "false", "no"):
+        return True, (f"CI={printable(ci)[:40]} is set, nobody is there to approve "
+                      '([breaker] on_terminal = "freeze" waits for guard approve instead)')
+    if not os.isatty(console_fd):
+        return True, ("the guard's stderr is no terminal, nobody is there to approve "
+                      '([breaker] on_terminal = "freeze" waits for guard approve instead)')
+    return False, "the guard's stderr is a terminal"
+
+
+def _say_terminal_action(opts: RunOptions) -> bool:
+    """Say at start what a terminal trip will do, and why; returns whether it stops the run."""
+    stop, why = terminal_action(opts)
+    _say(f"on a terminal trip the run stops (exit {int(Exit.TRIPPED)}): {why}" if stop else
+         f"on a terminal trip the agent is frozen until 'guard approve' or 'guard stop' "
+         f"(--run-dir {opts.run_dir}): {why}")
+    return stop
+
+
+def _live_console(events: EventLog, run_dir: Path) -> LiveConsole:
+    """The line per denial and per trip on the guard's stderr (sandbox.launch.console)."""
+    live = LiveConsole(sys.stderr, run_dir)
+    events.watch(live.on_event)
+    return live
+
+
+def _ledger_failure(run_dir: Path, daemon: Daemon, failure: dict[str, str] | None) -> None:
     """The ledger of a run whose guard failed says so: never a plain CLOSED."""
     if failure is not None:
-        write_ledger(run_dir, {**breaker.snapshot(), "guard_failure": failure})
+        write_ledger(run_dir, {**daemon.snapshot(), "guard_failure": failure})
 
 
 def _record_failure(run_dir: Path, err: Exception) -> dict[str, str]:
@@ -290,6 +356,8 @@ async def _main(
     async with trio.open_nursery() as services:
         await services.start(session.daemon.run)
         services.start_soon(pyfuse3.main)
+        if outcome.console is not None:
+            services.start_soon(outcome.console.run)
         try:
             await _run_agent(opts, bwrap, session, outcome, mnt, lane_args)
         finally:
@@ -328,6 +396,7 @@ def _agent_argv(
     # some): where its credential stores are, and what ~ means in [sandbox] readable.
     home = pwd.getpwnam(opts.user).pw_dir if opts.user is not None else env.get("HOME") or str(Path.home())
     env["GUARD_LOG_MAX_BYTES"] = str(opts.manifest.sandbox.log_max_bytes)  # guard exec's cap
+    env["GUARD_HOST_EXEC_DIR"] = str(opts.run_dir / "exec")  # where guard exec's logs are on the host, for its digest
     rel = os.path.relpath(opts.cwd, opts.workspace) if opts.cwd.is_relative_to(opts.workspace) else "."
     # An agent of another user may not reach the helper built for this one: the Python hook.
     command, setup = launch(opts.agent, opts.command, compiled=opts.user is None)
@@ -552,7 +621,7 @@ async def _run_agent(
                         await tree.terminate(grace=1.0)
                         await wait_exit(proc)
             state = daemon.breaker.state
-            if outcome.tripped is None and state.terminal and (opts.ci or opts.manifest.breaker.on_terminal == "stop"):
+            if outcome.tripped is None and state.terminal and outcome.stop_on_terminal:
                 outcome.tripped = state  # the agent ended before the watcher could stop it
             if use_pty:
                 nursery.cancel_scope.cancel()  # the stdin forwarder never ends by itself
@@ -704,11 +773,10 @@ async def _watch(session: Session, tree: ProcessTree, opts: RunOptions, outcome:
 
 async def _follow(breaker: Breaker, tree: ProcessTree, opts: RunOptions, outcome: _Outcome,
                   changes: trio.MemoryReceiveChannel[Effects]) -> None:
-    stop_on_terminal = opts.ci or opts.manifest.breaker.on_terminal == "stop"
     announced = False
     while True:
         state = breaker.state
-        if state is State.OPEN_STOPPED or (state.terminal and stop_on_terminal):
+        if state is State.OPEN_STOPPED or (state.terminal and outcome.stop_on_terminal):
             outcome.tripped = state
             _say(f"breaker {state.value}: stopping the agent")
             await tree.terminate()
@@ -736,18 +804,22 @@ async def _on_signals(tree: ProcessTree, outcome: _Outcome) -> None:
 
 def _summary(opts: RunOptions, breaker: Breaker, accounting: WriteAccounting, events: EventLog,
              outcome: _Outcome, status: int) -> None:
+    if outcome.console is not None:
+        outcome.console.close()  # what it held back, before the summary
     snap = breaker.snapshot()
     files = [printable(f) for f in heapq.nsmallest(8, accounting.files)]  # names escaped: any bytes, no controls
     more = ", ..." if len(accounting.files) > 8 else ""
-    trips = ", ".join(f"{t['rule']} at step {t['step']}" for t in snap["trips"]) or "none"
+    trips = ", ".join(f"{t['rule']}" + (f" on {printable(t['path'])}" if t.get("path") else "")
+                      + f" at step {t['step']}" for t in snap["trips"])
     if snap["omitted"]["trips"]:
-        trips += f" ({len(breaker.trips)} in all; ledger.json keeps the first and the last)"
+        trips += f", ... ({snap['omitted']['trips']} more between them in events.jsonl)"
     dropped = sum(events.dropped.values())
     lines = [
         "run summary",
         f"  exit status: {status}" + (f" (stopped: {outcome.tripped.value})" if outcome.tripped else ""),
         f"  files mutated: {len(accounting.files)}" + (f" ({', '.join(files)}{more})" if files else ""),
-        f"  denials: {events.counts['deny']}; trips: {trips}",
+        # The counts ledger.json, guard report and the CI summary show too (guardfs.events.tally_kind).
+        f"  denials: {events.tally['denials']}; trips: {events.tally['trips']}" + (f" ({trips})" if trips else ""),
         *([f"  events dropped by the event log's caps: {dropped} "
            f"({', '.join(f'{op} {n}' for op, n in sorted(events.dropped.items()))}); denials and trips all kept"]
           if dropped else []),
@@ -764,7 +836,7 @@ def _summary(opts: RunOptions, breaker: Breaker, accounting: WriteAccounting, ev
             f"agent stopped by the breaker ({outcome.tripped.value})"
         if outcome.failure is not None:
             what = f"the guard failed (internal error, traceback in {outcome.failure['traceback']}); agent stopped"
-        print(digest(what, logs), flush=True)
+        print(digest(what, logs, failed=status != 0), flush=True)
         _github(opts.run_dir, status)
     _say("\n".join(lines))
 

@@ -30,8 +30,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["REGISTRY", "STAGE_PREFIX", "claim_run_dir", "live_run_dirs", "registered", "remove_stale_stages",
-           "stage_prefix"]
+__all__ = ["REGISTRY", "STAGE_PREFIX", "SYSTEM_RUNS", "claim_run_dir", "default_runs_bases", "live_run_dirs",
+           "registered", "remove_stale_stages", "stage_prefix", "user_runs"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,19 @@ log = logging.getLogger(__name__)
 REGISTRY = Path("/run/guardfs/runs")
 #: Staging directories are named STAGE_PREFIX + the guard's pid + "-" + a random tail.
 STAGE_PREFIX = "guardfs-stage-"
+#: Where runs of an agent of another user (--user) go by default: root's home is closed to
+#: that user, whose bubblewrap must reach the run directory to hide it.
+SYSTEM_RUNS = Path("/var/lib/guardfs/runs")
+
+
+def user_runs() -> Path:
+    """Where ``guard run`` makes run directories by default: the user's state directory."""
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local/state") / "guardfs/runs"
+
+
+def default_runs_bases() -> list[Path]:
+    """Every place ``guard run`` makes run directories by default (``guard status`` looks there)."""
+    return [user_runs(), SYSTEM_RUNS]
 
 
 def claim_run_dir(run_dir: Path) -> None:
