@@ -2,12 +2,14 @@
 
 aider (pinned, installed from PyPI into a venv of its own under the repository's ``.cache/`` on
 first use) runs one ``--message`` against :mod:`tests.chat_server` (``--model openai/scripted``,
-``OPENAI_API_BASE`` on loopback) in a git repository whose manifest is what ``guard init`` writes
-for the task: writes in ``src/checkout/`` only, ``.env*`` secret. The user has no git identity
+``OPENAI_API_BASE`` on loopback) in a git repository with the manifest ``guard init --allow
+src/checkout/`` writes (``guard.toml``, which ``guard run`` reads by default): writes in
+``src/checkout/`` only, the untracked ``.env`` it finds a secret. The user has no git identity
 and aider's defaults (auto-commits, a ``.gitignore`` it would edit, its histories and tags cache
 at the repository's top level): what the agents' table gives aider is checked to be enough for a
 run that exits 0 with no trip from aider's own files. aider has no hooks and no machine-readable
-output: the mount alone judges it, and aider tells the model of a refused edit itself.
+output: the mount alone judges it (aider prints a refused edit's error for the human; it does not
+tell the model).
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ def aider_cli() -> Path:
     return pip_cli(*AIDER_CLI)
 
 
-def repository(tmp_path: Path, gitconfig: str | None = None) -> tuple[Path, Path, Path]:
-    """A git repository with an untracked .env, its manifest, and a read-only HOME holding aider's
-    model metadata (and *gitconfig* as the user's ~/.gitconfig)."""
+def repository(tmp_path: Path, gitconfig: str | None = None) -> tuple[Path, Path]:
+    """A git repository with an untracked .env and the manifest ``guard init`` writes for the task,
+    and a read-only HOME holding aider's model metadata (and *gitconfig* as the user's ~/.gitconfig)."""
     ws, home = tmp_path / "shop", tmp_path / "home"
     for d in ("src/checkout", "src/auth"):
         (ws / d).mkdir(parents=True)
@@ -66,16 +68,17 @@ def repository(tmp_path: Path, gitconfig: str | None = None) -> tuple[Path, Path
     if gitconfig is not None:
         (home / ".gitconfig").write_text(gitconfig)
     home.chmod(0o555)  # the user's home is never written: aider's HOME is the run's own
-    manifest = tmp_path / "guard.toml"
-    # What `guard init --allow src/checkout/ "..."` writes for this repository.
-    manifest.write_text(f'[task]\nid = "fix-tax"\ngoal = "{GOAL}"\n'
-                        '[paths]\nallowed = ["src/checkout/"]\nsecret = [".env*"]\n')
-    return ws, home, manifest
+    init = subprocess.run([sys.executable, "-m", "sandbox", "init", "--allow", "src/checkout/", GOAL], cwd=ws,
+                          capture_output=True, text=True, timeout=60)
+    assert init.returncode == 0, init.stderr
+    assert '".env*"' in (ws / "guard.toml").read_text()  # found, and made a secret
+    return ws, home
 
 
-def run_aider(aider: Path, ws: Path, home: Path, manifest: Path, run_dir: Path, url: str, *args: str,
+def run_aider(aider: Path, ws: Path, home: Path, run_dir: Path, url: str, *args: str,
               agent: bool = True) -> subprocess.CompletedProcess[str]:
-    """``guard run [--agent aider] --ci -- aider --yes-always --message … ARGS`` as a user runs it, bounded."""
+    """``guard run [--agent aider] --ci -- aider --yes-always … ARGS`` as a user runs it (the manifest:
+    the workspace's guard.toml), bounded."""
     command = [str(aider), "--model", "openai/scripted", "--edit-format", "diff", "--yes-always", "--no-analytics",
                "--no-pretty", *args]
     # No git identity of the test's own: aider's commits get the user's, or the guard's.
@@ -84,7 +87,7 @@ def run_aider(aider: Path, ws: Path, home: Path, manifest: Path, run_dir: Path, 
                PYTHONDONTWRITEBYTECODE="1")
     return subprocess.run(
         [sys.executable, "-m", "sandbox", "run", *(["--agent", "aider"] if agent else []), "--ci",
-         "--manifest", str(manifest), "--run-dir", str(run_dir), "--", *command],
+         "--run-dir", str(run_dir), "--", *command],
         cwd=ws, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
     )
 
@@ -109,12 +112,12 @@ def own_file_refusals(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def test_aider_in_scope_edit_lands_out_of_scope_refused_own_files_kept(tmp_path: Path, aider_cli: Path) -> None:
-    ws, home, manifest = repository(tmp_path)
+    ws, home = repository(tmp_path)
     run_dir = tmp_path / "run"
     both = (search_replace("src/checkout/tax.py", "    return x\n", "    return round(x, 2)\n") + "\n"
             + search_replace("src/auth/jwt.py", JWT, "KEY = 'stolen'\n"))
     with scripted_chat([Reply(both)]) as (url, model):
-        result = run_aider(aider_cli, ws, home, manifest, run_dir, url,
+        result = run_aider(aider_cli, ws, home, run_dir, url,
                            "--message", "Fix the rounding in total", "src/checkout/tax.py", "src/auth/jwt.py")
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
@@ -149,13 +152,13 @@ def test_aider_in_scope_edit_lands_out_of_scope_refused_own_files_kept(tmp_path:
 
 def test_aider_detected_commits_as_the_user_and_keeps_its_history_across_runs(tmp_path: Path,
                                                                                aider_cli: Path) -> None:
-    ws, home, manifest = repository(tmp_path, gitconfig="[user]\n\tname = Dana Dev\n\temail = dana@example.com\n")
+    ws, home = repository(tmp_path, gitconfig="[user]\n\tname = Dana Dev\n\temail = dana@example.com\n")
     edit = search_replace("src/checkout/tax.py", "    return x\n", "    return round(x, 2)\n")
     again = search_replace("src/checkout/tax.py", "    return round(x, 2)\n", "    return round(x, 2)  # cents\n")
     for n, (message, reply) in enumerate([("Round to cents", edit), ("Say why", again)]):
         with scripted_chat([Reply(reply)]) as (url, model):
             # Detected by its command's name (no --agent); whole responses rather than a stream.
-            result = run_aider(aider_cli, ws, home, manifest, tmp_path / f"run{n}", url, "--no-stream",
+            result = run_aider(aider_cli, ws, home, tmp_path / f"run{n}", url, "--no-stream",
                                "--message", message, "src/checkout/tax.py", agent=False)
         assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
         assert trips(run_events(tmp_path / f"run{n}")) == []
