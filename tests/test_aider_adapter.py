@@ -16,6 +16,8 @@ import pytest
 from guardfs.manifest import parse_manifest
 from guardfs.policy import AGENT_FILES_RULE, GENERATED_KEYS, PathPolicy, Scope
 from sandbox.agents import hooks
+from sandbox.agents.aider import AiderAnalyticsParser
+from sandbox.agents.events import Step
 from sandbox.agents.registry import AGENTS, HOOKED, detect
 
 from .chat_server import Reply, scripted_chat
@@ -66,12 +68,29 @@ def test_a_secret_or_protected_pattern_wins_over_the_agents_own_files(key: str, 
 
 def test_aider_is_detected_and_launched_without_hooks() -> None:
     assert detect(["/home/u/.local/bin/aider", "--message", "x"]) is AIDER
-    assert "aider" not in HOOKED and AIDER.parser_class() is None
+    assert "aider" not in HOOKED and AIDER.parser_class() is AiderAnalyticsParser
     argv, setup = hooks.launch("aider", ["/home/u/.local/bin/aider", "--gitignore", "--message", "x"])
     # guard's arguments first: the user's own (here --gitignore) come later and win
     assert argv == ["/home/u/.local/bin/aider", "--no-gitignore", "--no-check-update", "--no-show-release-notes",
-                    "--gitignore", "--message", "x"]
-    assert setup.state is not None and setup.state[:2] == ("HOME", "~") and ".gitconfig" in setup.state[2]
+                    "--analytics-log", "/dev/stdout", "--gitignore", "--message", "x"]
+    assert setup.state is not None and setup.state[:2] == ("HOME", "~")
+    assert {".gitconfig", ".aider/analytics.json"} <= set(setup.state.files)
+
+
+def test_aiders_analytics_lines_are_its_model_calls() -> None:
+    # The lines aider 0.86.2 writes (aider/analytics.py: event(); base_coder.py: "message_send"),
+    # among its output for humans.
+    send = {"event": "message_send", "properties": {
+        "main_model": "openai/scripted", "weak_model": "openai/scripted", "editor_model": "openai/scripted",
+        "edit_format": "diff", "prompt_tokens": 2512, "completion_tokens": 59, "total_tokens": 2571,
+        "cost": 0.0, "total_cost": 0.0}, "user_id": "6f1c", "time": 1764621600}
+    parser = AiderAnalyticsParser()
+    lines = [b"Tokens: 2.5k sent, 59 received.", json.dumps({"event": "launched", "properties": {}}).encode(),
+             json.dumps(send).encode(), json.dumps(send).encode() + b"\r",  # a pty's line end
+             json.dumps({"event": "message_send", "properties": {"prompt_tokens": "2.5k"}}).encode()]
+    events = [e for line in lines for e in parser.feed(line)]
+    assert events == [Step("message-1", 2512, 59), Step("message-2", 2512, 59)]
+    assert parser.skipped == 1  # a count of the wrong type: skipped, not a crash
 
 
 def _git_identity(tmp_path: Path, home_config: str | None, repo_config: str | None = None) -> tuple[str, str]:

@@ -7,9 +7,9 @@ src/checkout/`` writes (``guard.toml``, which ``guard run`` reads by default): w
 ``src/checkout/`` only, the untracked ``.env`` it finds a secret. The user has no git identity
 and aider's defaults (auto-commits, a ``.gitignore`` it would edit, its histories and tags cache
 at the repository's top level): what the agents' table gives aider is checked to be enough for a
-run that exits 0 with no trip from aider's own files. aider has no hooks and no machine-readable
-output: the mount alone judges it (aider prints a refused edit's error for the human; it does not
-tell the model).
+run that exits 0 with no trip from aider's own files. aider has no hooks: the mount alone judges
+its edits (aider prints a refused edit's error for the human; it does not tell the model); its
+analytics log, on its stdout, gives the breaker each model call's tokens.
 """
 
 from __future__ import annotations
@@ -105,6 +105,12 @@ def trips(events: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return [(e["rule"], e.get("reason", "")) for e in events if e["op"] == "trip"]
 
 
+def tokens(run_dir: Path) -> int:
+    """The run's tokens in its ledger."""
+    total: int = json.loads((run_dir / "ledger.json").read_text())["tokens"]["total"]
+    return total
+
+
 def own_file_refusals(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Refusals of aider's own files, its git config or the repository's .gitignore: none expected."""
     own = (".aider", ".git/config", ".gitignore")
@@ -146,6 +152,10 @@ def test_aider_in_scope_edit_lands_out_of_scope_refused_own_files_kept(tmp_path:
     assert (ws / ".gitignore").read_text() == ".env\n"
     # aider's HOME was the run's own: the user's home holds what it held.
     assert sorted(p.name for p in home.iterdir()) == [".aider.model.metadata.json"]
+    # Its model call reached the breaker (its analytics log, on stdout): streamed, with aider's own
+    # count of the tokens (its prompt is ~2.5k; the other test sees the model's usage, exactly).
+    steps = [e for e in events if e["op"] == "step"]
+    assert len(steps) == 1 and 2000 < tokens(run_dir) < 4000, steps
     # Its .env read (aider loads the repository's .env at start) was refused without a trip.
     assert "sk_live" not in out and not [t for t in trips(events) if t[0] == "forbidden_path"]
 
@@ -164,6 +174,8 @@ def test_aider_detected_commits_as_the_user_and_keeps_its_history_across_runs(tm
         assert trips(run_events(tmp_path / f"run{n}")) == []
         assert own_file_refusals(run_events(tmp_path / f"run{n}")) == []
         assert len(model.requests) == 1 and model.commits == 1
+        # Whole responses: the model's usage, exactly, reached the breaker (aider's analytics log).
+        assert tokens(tmp_path / f"run{n}") == 1500 + 100
     # The second run found the first one's history where aider keeps it, and added to it.
     history = (ws / ".aider.chat.history.md").read_text()
     assert history.index("Round to cents") < history.index("Say why"), history

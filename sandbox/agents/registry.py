@@ -5,9 +5,10 @@ what its command is given to call our hooks for one run (:class:`Launch`: argume
 settings file named by an environment variable — never the user's own config files), the
 format name and class of its machine-readable output's parser, the tools of its that write,
 its hook convention (:class:`HookConvention`), and the files it keeps in the workspace for
-itself. An agent with no hooks or no machine-readable output (aider) has None for them: the
-mount alone judges it. ``guard run``, ``guard feed --format``,
-``guard hook``, the daemon's ``hook`` message and the compiled hook helper all read this table.
+itself. An agent with no hooks (aider) has None for its convention, one with no machine-readable
+output None for its format and parser: the mount alone judges what it does. ``guard run``,
+``guard feed --format``, ``guard hook``, the daemon's ``hook`` message and the compiled hook
+helper all read this table.
 
 Standard library only, like :mod:`sandbox.agents.fasthook`, which imports it (as a sibling
 module when run as ``python3 -S -E fasthook.py``): parser classes are named, not imported.
@@ -145,19 +146,22 @@ _AIDER_GITCONFIG = """\
 
 def _aider(hook: str) -> Launch:
     del hook  # aider runs no hooks: the mount judges its edits, its shell commands and its commits
+    # --analytics-log /dev/stdout: its analytics events, JSON lines with each model call's exact
+    # usage, on the stdout the guard parses (sandbox.agents.aider); they go nowhere else.
     # --no-gitignore: aider would add ".aider*" to the repository's .gitignore (a change to the
     # user's project, out of most tasks' scope); its files are the guard's to keep apart (own_files).
     # --no-check-update: with --yes-always it would pip-install a newer aider into its own
     # (read-only) installation; --no-show-release-notes: a fresh HOME is a first run each time.
     # The user's own arguments come after these, so theirs win (--gitignore, --analytics ...).
     # HOME: a directory of the run's own, with copies of aider's settings, the user's API keys
-    # file (~/.env, as aider reads it) and git config (their identity); aider writes its caches
-    # and analytics id there, never into the user's home.
+    # files (~/.env, as aider reads it), git config (their identity) and analytics choice (else a
+    # fresh HOME asks again, and --yes-always would opt in); aider writes its caches there, never
+    # into the user's home.
     return Launch(
-        args=("--no-gitignore", "--no-check-update", "--no-show-release-notes"),
+        args=("--no-gitignore", "--no-check-update", "--no-show-release-notes", "--analytics-log", "/dev/stdout"),
         files=(("GIT_CONFIG_SYSTEM", "aider-gitconfig", _AIDER_GITCONFIG),),
         state=State("HOME", "~", (".aider.conf.yml", ".aider.model.settings.yml", ".aider.model.metadata.json",
-                                  ".env", ".aider/oauth-keys.env", ".gitconfig")),
+                                  ".env", ".aider/oauth-keys.env", ".aider/analytics.json", ".gitconfig")),
     )
 
 
@@ -182,9 +186,10 @@ _TABLE = (
         hook=HookConvention("BeforeTool", "AfterTool"), launch=_gemini,
     ),
     Agent(
-        # No machine-readable output (its "Tokens: 2.5k sent" lines are rounded, for humans) and
-        # no hooks: it edits files itself from the model's SEARCH/REPLACE blocks.
-        name="aider", commands=frozenset({"aider"}), stream_format=None, parser=None,
+        # No hooks: it edits files itself from the model's SEARCH/REPLACE blocks. Its output for
+        # humans rounds the tokens; its analytics log (to stdout, see _aider) has them exactly.
+        name="aider", commands=frozenset({"aider"}), stream_format="aider-analytics",
+        parser="sandbox.agents.aider:AiderAnalyticsParser",
         mutating_tools=frozenset(), hook=None, launch=_aider,
         # Its histories (chat, input, and the LLM log its docs name) are kept across runs; its
         # repository map's tags cache is a pickle store (diskcache): scratch, rebuilt each run.
