@@ -147,3 +147,20 @@ def test_the_chat_server_answers_streamed_and_whole() -> None:
     assert whole["choices"][0]["message"]["content"] == "three"
     assert commit["choices"][0]["message"]["content"] == "fix: round the tax to cents"
     assert model.shown() == ["hi", "again"] and model.commits == 1
+
+
+def test_aiders_home_is_the_runs_own_with_copies_of_the_users_files(tmp_path: Path) -> None:
+    home, stage = tmp_path / "home", tmp_path / "stage"
+    (home / ".aider").mkdir(parents=True)
+    stage.mkdir()
+    choice = '{"uuid": "6f1c", "permanently_disable": true, "asked_opt_in": true}'
+    (home / ".aider/analytics.json").write_text(choice)
+    (home / ".gitconfig").write_text("[user]\n\tname = Dana Dev\n")
+    (home / ".ssh").mkdir()
+    (home / ".ssh/id_rsa").write_text("PRIVATE\n")
+    _, setup = hooks.launch("aider", ["aider"])
+    state = hooks.agent_state(setup, stage, {"HOME": str(home)})
+    assert state is not None and state != home
+    copied = sorted(str(p.relative_to(state)) for p in state.rglob("*") if p.is_file())
+    assert copied == [".aider/analytics.json", ".gitconfig"], copied  # what exists of what it names; no key
+    assert (state / ".aider/analytics.json").read_text() == choice
