@@ -106,7 +106,9 @@ def patch(path: str, old: str, new: str) -> str:
 IN_SCOPE = [
     Call("exec_command", {"cmd": "cat src/checkout/tax.py && git log --oneline && echo $CODEX_HOME && ls $CODEX_HOME"}),
     Call("apply_patch", patch("src/checkout/tax.py", "    return x", "    return round(x, 2)")),
-    Call("exec_command", {"cmd": pytest_cmd()}),
+    # Codex hands back a command still running after yield_time_ms (10 s by default) as "Process
+    # running": on a loaded machine pytest can take longer, so wait the most Codex allows.
+    Call("exec_command", {"cmd": pytest_cmd(), "yield_time_ms": 30000}),
 ]
 
 

@@ -181,7 +181,9 @@ def test_a_hostile_agent_inside_a_real_run(tmp_path: Path, user: str | None) -> 
         subprocess.run(["chown", "-R", "65534:65534", str(ws)], check=True)
         flags = ["--user", user]
     manifest = tmp_path / "manifest.toml"
-    manifest.write_text(FIX_TAX)
+    # The flood of 100,000 invalid messages must pass the event rate however slowly a loaded machine
+    # sends it: at 50 events a second a sender would need over half an hour to stay under it.
+    manifest.write_text(FIX_TAX + "[record]\nevents_per_second = 50.0\nevents_burst = 1000\n")
     run_dir = tmp_path / "run"
     try:
         status, peak, _out, err = _guard_run_measured(
