@@ -53,7 +53,8 @@ for (const p of process.argv.slice(2)) {
   try { reads[p] = ["ok", fs.readFileSync(p.replace(/^~/, home), "utf8")]; }
   catch (err) { reads[p] = [err.code, null]; }
 }
-console.log(JSON.stringify({ seen: walk(home, home).sort(), reads, cwd: process.cwd() }));
+const child = require("child_process").execFileSync("node", ["-p", "process.execPath"]).toString().trim();
+console.log(JSON.stringify({ seen: walk(home, home).sort(), reads, cwd: process.cwd(), node: child }));
 """
 
 WALK_JS = """const fs = require("fs");
@@ -143,7 +144,23 @@ def _install(layout: str, home: Path) -> tuple[Path, set[str]]:
         (bindir / "agent").symlink_to(venv / "bin/agent")
         shown = {".local", ".local/bin", ".local/bin/agent", ".local/pipx", ".local/pipx/venvs"}
         return bindir, shown | {str(p.relative_to(home)) for p in [venv, *venv.rglob("*")]}
-    # An npm user prefix: npm install -g --prefix ~/.npm-global of a local package, offline.
+    if layout == "nvm":  # nvm: node and the package under ~/.nvm/versions/node/vX, its bin/ on PATH
+        prefix = home / ".nvm/versions/node/v20.0.0"
+        (prefix / "bin").mkdir(parents=True)
+        shutil.copy2(os.path.realpath(require("node")), prefix / "bin/node")
+        _npm_install(home, prefix)
+        shown = {".nvm", ".nvm/versions", ".nvm/versions/node"}
+        return prefix / "bin", shown | {str(p.relative_to(home)) for p in [prefix, *prefix.rglob("*")]}
+    # An npm user prefix: npm install -g --prefix ~/.npm-global.
+    _npm_install(home, home / ".npm-global")
+    tree = home / ".npm-global/lib/node_modules/agent"
+    shown = {".npm-global", ".npm-global/bin", ".npm-global/bin/agent", ".npm-global/lib",
+             ".npm-global/lib/node_modules"}
+    return home / ".npm-global/bin", shown | {str(p.relative_to(home)) for p in [tree, *tree.rglob("*")]}
+
+
+def _npm_install(home: Path, prefix: Path) -> None:
+    """``npm install -g --prefix PREFIX`` of a tiny local package, offline (its probe a node launcher)."""
     require("npm")
     package = home.parent / f"{home.name}-pkg"
     try:
@@ -153,21 +170,17 @@ def _install(layout: str, home: Path) -> tuple[Path, set[str]]:
         (package / "package.json").write_text(json.dumps({"name": "agent", "version": "1.0.0",
                                                           "bin": {"agent": "cli.js"}}))
         packed = subprocess.run(["npm", "pack", "--silent"], cwd=package, capture_output=True, text=True, check=True)
-        subprocess.run(["npm", "install", "-g", "--offline", "--no-audit", "--no-fund", "--prefix",
-                        str(home / ".npm-global"), str(package / packed.stdout.strip())],
+        subprocess.run(["npm", "install", "-g", "--offline", "--no-audit", "--no-fund", "--prefix", str(prefix),
+                        str(package / packed.stdout.strip())],
                        check=True, capture_output=True, env={**os.environ, "HOME": str(home)})
     finally:
         shutil.rmtree(package)
     shutil.rmtree(home / ".npm", ignore_errors=True)  # npm's own cache: not part of the installation
-    tree = home / ".npm-global/lib/node_modules/agent"
-    shown = {".npm-global", ".npm-global/bin", ".npm-global/bin/agent", ".npm-global/lib",
-             ".npm-global/lib/node_modules"}
-    return home / ".npm-global/bin", shown | {str(p.relative_to(home)) for p in [tree, *tree.rglob("*")]}
 
 
 @pytest.mark.root
 @pytest.mark.mount
-@pytest.mark.parametrize("layout", ["script", "native", "pipx", "npm"])
+@pytest.mark.parametrize("layout", ["script", "native", "pipx", "npm", "nvm"])
 def test_an_agent_installed_in_its_home_runs_and_sees_nothing_else_of_it(
         tmp_path: Path, home: Path, layout: str) -> None:
     """``guard run -- agent`` with the agent where installers put it, in a home under /home: it runs
@@ -186,6 +199,8 @@ def test_an_agent_installed_in_its_home_runs_and_sees_nothing_else_of_it(
     assert report["reads"] == {"~/notes.txt": ["ENOENT", None], "~/.ssh/id_rsa": ["ENOENT", None],
                                "~/.config/myagent/conf": ["ok", "agent conf\n"]}
     assert report["cwd"] == str(ws)
+    if layout in ("npm", "nvm"):  # the agent's own child commands resolve on its PATH, as on the host
+        assert report["node"] == (str(bindir / "node") if layout == "nvm" else os.path.realpath(require("node")))
     assert (home / ".local/bin/other-tool").exists()  # the host's home is as it was
 
 
@@ -198,6 +213,17 @@ def test_a_command_not_on_path_is_refused_before_anything_starts(tmp_path: Path)
     assert result.returncode == 64, result.stderr
     assert "cannot run no-such-agent-zq7x9: not found on PATH (/usr/bin:/bin" in result.stderr
     assert not run_dir.exists()  # refused before the run directory, the mount and the sandbox
+    # For an agent of another user, a directory of root's on PATH is not searched: hidden inside.
+    root_only = Path(tempfile.mkdtemp(prefix="guardfs-bin-", dir="/root"))
+    try:
+        _executable(root_only / "root-only-agent", "#!/bin/sh\n")
+        result = _guard_run(manifest, ws, run_dir, ["root-only-agent"],
+                            {**os.environ, "PATH": f"{root_only}:/usr/bin:/bin"}, "--user", "nobody")
+    finally:
+        shutil.rmtree(root_only)
+    assert result.returncode == 64, result.stderr
+    assert "cannot run root-only-agent: not found on PATH (/usr/bin:/bin" in result.stderr
+    assert not run_dir.exists()
 
 
 @pytest.mark.root
@@ -317,9 +343,11 @@ def test_credential_stores_are_masked_for_an_agent_of_another_user(
     _credential_home(home, agent_user)
     ws, manifest = _repository(tmp_path)
     subprocess.run(["chown", "-R", f"{agent_user.pw_uid}:{agent_user.pw_gid}", str(ws)], check=True)
-    probe = _executable(ws / "probe", PROBE_PY)  # in the workspace: the agent's user reaches it
+    probe = _executable(home / ".local/bin/agent", PROBE_PY)  # installed in the agent user's own home
+    os.chown(probe, agent_user.pw_uid, agent_user.pw_gid)
     run_dir = tmp_path / "run"
-    result = _guard_run(manifest, ws, run_dir, [str(probe), *READS], dict(os.environ), "--user", agent_user.pw_name)
+    env = {**os.environ, "PATH": f"{probe.parent}:{os.environ['PATH']}"}
+    result = _guard_run(manifest, ws, run_dir, ["agent", *READS], env, "--user", agent_user.pw_name)
     assert result.returncode == 0, result.stderr
     assert _report(run_dir, result)["reads"] == MASKED
 

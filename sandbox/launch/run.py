@@ -130,7 +130,7 @@ def run(opts: RunOptions) -> int:
     was up (a secret git tracks, a busy run directory, no mount) leaves no run directory
     behind that it made: it held nothing yet."""
     bwrap = _sandbox_tool(opts)  # a usage error is said before anything about the machine
-    resolve_command(opts.command[0], _search_path(os.environ), str(opts.cwd))  # the same: before the mount
+    _check_command(opts)  # the same: before the mount
     check_fuse_available()
     made = not os.path.lexists(opts.run_dir)
     started: list[bool] = []
@@ -205,6 +205,22 @@ def _run(opts: RunOptions, bwrap: str | None, started: list[bool]) -> int:
     if not private:
         _say("(unprivileged run: the mount lived in the host's mount namespace and has been removed)")
     return status
+
+
+def _check_command(opts: RunOptions) -> None:
+    """The agent's command is found on its PATH: else a usage error saying where it was looked
+    for, before anything starts (the agent would otherwise meet 127 inside the sandbox)."""
+    resolve_command(opts.command[0], _lookup_path(opts, _search_path(os.environ)), str(opts.cwd))
+
+
+def _lookup_path(opts: RunOptions, search: str) -> str:
+    """The PATH the agent's command is looked up on: for an agent of another user, only the
+    directories that user can search, as inside the sandbox (root's own are hidden there)."""
+    if opts.user is None:
+        return search
+    pw = pwd.getpwnam(opts.user)
+    groups = set(os.getgrouplist(pw.pw_name, pw.pw_gid))
+    return ":".join(d for d in search.split(":") if d and reachable_by(os.path.join(d, "_"), pw.pw_uid, groups))
 
 
 def _say_where(opts: RunOptions) -> None:
@@ -377,7 +393,7 @@ def agent_environment(environ: dict[str, str], allowed: list[str]) -> dict[str, 
     return {k: v for k, v in environ.items() if k in exact or k.startswith(prefixes)}
 
 
-def _search_path(env: dict[str, str] | os._Environ[str]) -> str:
+def _search_path(env: Mapping[str, str]) -> str:
     """The agent's PATH: the one it was started with (its own tools, found where they are
     installed, first), then `guard exec` and `guard hook`, which must be found inside."""
     tools = f"{Path(sys.argv[0]).resolve().parent}:{Path(sys.executable).parent}"
@@ -439,8 +455,9 @@ def _agent_argv(
     mask_file = mnt.parent / "unreadable"
     mask_file.touch(mode=0)
     mask_file.chmod(0)
-    executable = resolve_command(command[0], env["PATH"], str(opts.cwd))
-    installed = installation(executable, env["PATH"], str(opts.workspace.resolve())) | reveal(_readable(opts, home))
+    search = _lookup_path(opts, env["PATH"])
+    executable = resolve_command(command[0], search, str(opts.cwd))
+    installed = installation(executable, search, str(opts.workspace.resolve())) | reveal(_readable(opts, home))
     masks = host_secrets(own_home, other_runs)
     writable = [str(p) for p in _extra_writable(opts)] + ([str(state)] if state else [])
     secrets = _credential_stores(opts, home, masks, writable, installed)
