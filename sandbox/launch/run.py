@@ -472,9 +472,9 @@ def _agent_argv(
     )
     if opts.user is not None:
         pw = pwd.getpwnam(opts.user)
-        env.update(USER=pw.pw_name, LOGNAME=pw.pw_name)
-        if state is None or setup.state is None or setup.state.var != "HOME":
-            env["HOME"] = pw.pw_dir
+        # HOME is the user's, unless the agent's state of its own stands for it (aider's does).
+        moved = state is not None and setup.state is not None and setup.state.var == "HOME"
+        env.update(HOME=env["HOME"] if moved else pw.pw_dir, USER=pw.pw_name, LOGNAME=pw.pw_name)
         # bubblewrap then runs unprivileged, in a user namespace of its own.
         argv = ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups", *argv]
     if pty:
