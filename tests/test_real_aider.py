@@ -76,7 +76,7 @@ def repository(tmp_path: Path, gitconfig: str | None = None) -> tuple[Path, Path
 
 
 def run_aider(aider: Path, ws: Path, home: Path, run_dir: Path, url: str, *args: str,
-              agent: bool = True) -> subprocess.CompletedProcess[str]:
+              agent: str | None = "aider") -> subprocess.CompletedProcess[str]:
     """``guard run [--agent aider] --ci -- aider --yes-always … ARGS`` as a user runs it (the manifest:
     the workspace's guard.toml), bounded."""
     command = [str(aider), "--model", "openai/scripted", "--edit-format", "diff", "--yes-always", "--no-analytics",
@@ -86,7 +86,7 @@ def run_aider(aider: Path, ws: Path, home: Path, run_dir: Path, url: str, *args:
     env.update(HOME=str(home), OPENAI_API_BASE=url, OPENAI_API_KEY="sk-test-fake", NO_COLOR="1",
                PYTHONDONTWRITEBYTECODE="1")
     return subprocess.run(
-        [sys.executable, "-m", "sandbox", "run", *(["--agent", "aider"] if agent else []), "--ci",
+        [sys.executable, "-m", "sandbox", "run", *(["--agent", agent] if agent else []), "--ci",
          "--run-dir", str(run_dir), "--", *command],
         cwd=ws, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
     )
@@ -169,7 +169,7 @@ def test_aider_detected_commits_as_the_user_and_keeps_its_history_across_runs(tm
         with scripted_chat([Reply(reply)]) as (url, model):
             # Detected by its command's name (no --agent); whole responses rather than a stream.
             result = run_aider(aider_cli, ws, home, tmp_path / f"run{n}", url, "--no-stream",
-                               "--message", message, "src/checkout/tax.py", agent=False)
+                               "--message", message, "src/checkout/tax.py", agent=None)
         assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
         assert trips(run_events(tmp_path / f"run{n}")) == []
         assert own_file_refusals(run_events(tmp_path / f"run{n}")) == []
@@ -184,3 +184,19 @@ def test_aider_detected_commits_as_the_user_and_keeps_its_history_across_runs(tm
     assert [c.split(":")[0] for c in git_log(ws)[:2]] == ["Dana Dev <dana@example.com>"] * 2, git_log(ws)
     assert "[user]" not in (ws / ".git/config").read_text()
 
+
+
+def test_aider_as_a_generic_agent_trips_on_its_own_files(tmp_path: Path, aider_cli: Path) -> None:
+    """What the table's entry spares aider (issue 20, finding 9): run as any other command, its
+    history at the top level is a scope_spill and its placeholder identity in .git/config a
+    second, before the model is ever asked."""
+    ws, home = repository(tmp_path)
+    run_dir = tmp_path / "run"
+    with scripted_chat([Reply("never asked")]) as (url, model):
+        result = run_aider(aider_cli, ws, home, run_dir, url, "--message", "Fix the rounding in total",
+                           "src/checkout/tax.py", agent="generic")
+    assert result.returncode == 75, (result.stdout + result.stderr)[-4000:]
+    assert model.requests == []
+    reasons = " ".join(why for rule, why in trips(run_events(run_dir)) if rule == "scope_spill")
+    # (the second: its identity at start, as here; the issue also saw its tags cache come first)
+    assert ".aider.chat.history.md" in reasons and (".git/config" in reasons or ".aider.tags" in reasons), reasons
