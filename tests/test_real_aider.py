@@ -48,9 +48,10 @@ def aider_cli() -> Path:
     return pip_cli(*AIDER_CLI)
 
 
-def repository(tmp_path: Path, gitconfig: str | None = None) -> tuple[Path, Path]:
+def repository(tmp_path: Path, gitconfig: str | None = None, aider: Path | None = None) -> tuple[Path, Path]:
     """A git repository with an untracked .env and the manifest ``guard init`` writes for the task,
-    and a read-only HOME holding aider's model metadata (and *gitconfig* as the user's ~/.gitconfig)."""
+    and a read-only HOME holding aider's model metadata (and *gitconfig* as the user's ~/.gitconfig;
+    *aider* linked as ``~/.local/bin/aider``, where pipx puts it)."""
     ws, home = tmp_path / "shop", tmp_path / "home"
     for d in ("src/checkout", "src/auth"):
         (ws / d).mkdir(parents=True)
@@ -67,6 +68,9 @@ def repository(tmp_path: Path, gitconfig: str | None = None) -> tuple[Path, Path
     (home / ".aider.model.metadata.json").write_text(json.dumps(METADATA))
     if gitconfig is not None:
         (home / ".gitconfig").write_text(gitconfig)
+    if aider is not None:
+        (home / ".local/bin").mkdir(parents=True)
+        (home / ".local/bin/aider").symlink_to(aider)
     home.chmod(0o555)  # the user's home is never written: aider's HOME is the run's own
     init = subprocess.run([sys.executable, "-m", "sandbox", "init", "--allow", "src/checkout/", GOAL], cwd=ws,
                           capture_output=True, text=True, timeout=60)
@@ -75,20 +79,20 @@ def repository(tmp_path: Path, gitconfig: str | None = None) -> tuple[Path, Path
     return ws, home
 
 
-def run_aider(aider: Path, ws: Path, home: Path, run_dir: Path, url: str, *args: str,
-              agent: str | None = "aider") -> subprocess.CompletedProcess[str]:
+def run_aider(aider: Path | str, ws: Path, home: Path, run_dir: Path, url: str, *args: str,
+              agent: str | None = "aider", cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """``guard run [--agent aider] --ci -- aider --yes-always … ARGS`` as a user runs it (the manifest:
-    the workspace's guard.toml), bounded."""
+    the workspace's guard.toml; *aider* a path, or a name found in ``~/.local/bin``), bounded."""
     command = [str(aider), "--model", "openai/scripted", "--edit-format", "diff", "--yes-always", "--no-analytics",
                "--no-pretty", *args]
     # No git identity of the test's own: aider's commits get the user's, or the guard's.
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     env.update(HOME=str(home), OPENAI_API_BASE=url, OPENAI_API_KEY="sk-test-fake", NO_COLOR="1",
-               PYTHONDONTWRITEBYTECODE="1")
+               PYTHONDONTWRITEBYTECODE="1", PATH=f"{home}/.local/bin:{os.environ['PATH']}")
     return subprocess.run(
         [sys.executable, "-m", "sandbox", "run", *(["--agent", agent] if agent else []), "--ci",
          "--run-dir", str(run_dir), "--", *command],
-        cwd=ws, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+        cwd=cwd or ws, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
     )
 
 
@@ -160,16 +164,19 @@ def test_aider_in_scope_edit_lands_out_of_scope_refused_own_files_kept(tmp_path:
     assert "sk_live" not in out and not [t for t in trips(events) if t[0] == "forbidden_path"]
 
 
-def test_aider_detected_commits_as_the_user_and_keeps_its_history_across_runs(tmp_path: Path,
-                                                                               aider_cli: Path) -> None:
-    ws, home = repository(tmp_path, gitconfig="[user]\n\tname = Dana Dev\n\temail = dana@example.com\n")
+def test_aider_from_local_bin_in_a_subdirectory_commits_as_the_user_and_keeps_its_history(
+        tmp_path: Path, aider_cli: Path) -> None:
+    ws, home = repository(tmp_path, gitconfig="[user]\n\tname = Dana Dev\n\temail = dana@example.com\n",
+                          aider=aider_cli)
     edit = search_replace("src/checkout/tax.py", "    return x\n", "    return round(x, 2)\n")
     again = search_replace("src/checkout/tax.py", "    return round(x, 2)\n", "    return round(x, 2)  # cents\n")
     for n, (message, reply) in enumerate([("Round to cents", edit), ("Say why", again)]):
         with scripted_chat([Reply(reply)]) as (url, model):
-            # Detected by its command's name (no --agent); whole responses rather than a stream.
-            result = run_aider(aider_cli, ws, home, tmp_path / f"run{n}", url, "--no-stream",
-                               "--message", message, "src/checkout/tax.py", agent=None)
+            # Found on the user's PATH in ~/.local/bin and detected by its name (no --agent), started
+            # from a subdirectory (the workspace is the repository's top level, where aider keeps
+            # its history); whole responses rather than a stream.
+            result = run_aider("aider", ws, home, tmp_path / f"run{n}", url, "--no-stream",
+                               "--message", message, "tax.py", agent=None, cwd=ws / "src/checkout")
         assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
         assert trips(run_events(tmp_path / f"run{n}")) == []
         assert own_file_refusals(run_events(tmp_path / f"run{n}")) == []
