@@ -10,7 +10,9 @@ Four cohorts of trajectories, each up to 35 steps of 1,850 tokens:
      project's modules, runs the test suite (pytest with its cache), git status, diff, add
      and commit;
   B  context drift at step 21: writes spill into src/auth/ and src/billing/;
-  C  an edit-test oscillation from step 17 on total() in src/checkout/handler_1.py;
+  C  an edit-test oscillation from step 17 on total() in src/checkout/handler_1.py: it flips
+     between two bodies, so step 19 is a revert (allowed, limits.max_returns = 1) and step 20,
+     the flip back, trips (it tripped at step 19, the first return, before returns were counted);
   D  runaway log reads from step 22, at 9,200 tokens a step.
 The workspace is a git repository that tracks a file the manifest forbids (``.env``), as
 many real repositories do (``forbidden_in_git = "warn"``), with a pytest configuration at

@@ -3,7 +3,7 @@
 guardfs computes the policy's own verdict for every checked operation and hands it, with
 the request, to a :class:`Decider`. The decider may only tighten that verdict: a policy
 denial stands whatever it answers. Without a breaker attached, :class:`LimitsDecider`
-enforces ``limits.max_files`` and ``limits.max_rewrites`` from the manifest.
+enforces ``limits.max_files``, ``limits.max_returns`` and ``limits.max_rewrites`` from the manifest.
 """
 
 from __future__ import annotations
@@ -145,14 +145,14 @@ def policy_verdict(request: Request) -> Verdict:
 
 
 class LimitsDecider:
-    """The default decider: the manifest's blast-radius and rewrite limits, nothing more."""
+    """The default decider: the manifest's blast-radius, return and rewrite limits, nothing more."""
 
     def __init__(self, limits: Limits, accounting: WriteAccounting) -> None:
         self.limits = limits
         self.accounting = accounting
 
     def decide(self, request: Request, policy: Verdict) -> Verdict:
-        """Apply ``max_files`` and ``max_rewrites`` to an allowed mutation."""
+        """Apply ``max_files``, ``max_returns`` and ``max_rewrites`` to an allowed mutation."""
         if not policy.allow or not request.mutating:
             return policy
         max_files = self.limits.max_files
@@ -163,8 +163,15 @@ class LimitsDecider:
                     False, "limits.max_files", None, ERRNO_LIMIT,
                     f"{request.new_files[0]} would be distinct file {after} of max_files={max_files}",
                 )
-        max_rewrites = self.limits.max_rewrites
         plan = request.rewrite
+        if plan is not None and plan.over_returns(self.limits.max_returns):
+            return Verdict(
+                False, "limits.max_returns", None, ERRNO_LIMIT,
+                f"{plan.path} would return to an earlier version of itself, return {plan.returns} "
+                f"(max_returns={self.limits.max_returns}): flipping between versions looks like "
+                "oscillation; keep the version that works best and change it forward",
+            )
+        max_rewrites = self.limits.max_rewrites
         if max_rewrites is not None and plan is not None and (peak := plan.peak) is not None:
             unit, count = peak
             if count > max_rewrites:

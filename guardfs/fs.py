@@ -35,7 +35,7 @@ from guardfs.backing import Backing
 from guardfs.checkpoint import PreImages
 from guardfs.decision import Decider, LimitsDecider, Request, Verdict
 from guardfs.events import EventLog
-from guardfs.gate import Gate
+from guardfs.gate import Commit, Gate
 from guardfs.gitguard import git_binary_ids, is_git_process
 from guardfs.inodes import Entry, InodeTable
 from guardfs.intent import lookup_intent
@@ -51,7 +51,7 @@ from guardfs.rename import (
     plan_rename,
 )
 from guardfs.scratch import ScratchBacking
-from guardfs.sessions import OpenFile, WriteSessions, invalidate_later
+from guardfs.sessions import OpenFile, WriteSessions, invalidate_later, read_small
 from guardfs.virtual import GuardNode, default_state
 
 if TYPE_CHECKING:  # dulwich is imported only where a run judges git state
@@ -379,6 +379,7 @@ class GuardFS(pyfuse3.Operations):
         changed = self.preimages.rollback(to=to)
         by_path = {e.path: e for e in self.inodes if not e.virtual}
         for path in changed:
+            self._rolled_back(path)
             parent = by_path.get(path.rpartition("/")[0])
             name = pyfuse3.FileNameT(os.fsencode(path.rpartition("/")[2]))
             if parent is not None:
@@ -388,6 +389,19 @@ class GuardFS(pyfuse3.Operations):
                 invalidate_later(entry.ino)
         self.events.emit("rollback", "", "allow", paths=len(changed))
         return changed
+
+    def _rolled_back(self, path: str) -> None:
+        """Tell the accounting what a rollback left at *path*, so that the content history
+        ends with what the file holds (a version put back, or its end if it is gone)."""
+        if path not in self.accounting.files:
+            return
+        try:
+            st = self.backing.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            self.accounting.removed(path)
+            return
+        if stat.S_ISREG(st.st_mode):
+            self.accounting.put_back(path, read_small(self.backing, path, st))
 
     def _chown_new(self, name: str, dir_fd: int, ctx: pyfuse3.RequestContext) -> None:
         if self._as_root and (ctx.uid, ctx.gid) != (0, 0):
@@ -614,7 +628,10 @@ class GuardFS(pyfuse3.Operations):
         if self._scratch is not None:
             self._scratch.removed(path)
         self._unnamed(st, path)
-        self.gate.done(request)
+        # The agent's deletion ends the file's content history; git's (a checkout unlinks a
+        # file before it writes a version back) does not, so git cannot flip it freely.
+        ended = where.scope.counted and not is_git_process(ctx.pid, self._git_ids)
+        self.gate.done(request, Commit(removed=path if ended else None))
 
     def _unnamed(self, st: os.stat_result, path: str) -> None:
         """*path*, a name of the inode *st*, is gone: its other names (hard links) stay."""

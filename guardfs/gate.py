@@ -44,13 +44,15 @@ class Commit:
     """What a performed mutation does to the accounting beyond its new files.
 
     A content rewrite (its plan and the content it replaced); for a rename, the scratch
-    record an atomic save leaves behind, or the records that move with what was renamed.
+    record an atomic save leaves behind, or the records that move with what was renamed;
+    for the agent's unlink, the file whose content history ends.
     """
 
     rewrite: RewritePlan | None = None
     old: bytes | None = None
     scratch: str | None = None  # an atomic save's temporary file: its record is dropped
     move: tuple[str, str] | None = None  # (src, dst): records at or below src move to dst
+    removed: str | None = None  # deleted by the agent: made again, it starts a new history
 
 
 _NOTHING = Commit()
@@ -151,12 +153,14 @@ class Gate:
         created = request.op in _CREATING
         for path in request.new_files:
             acct.touch(path, created=created or path == request.target)
+        if commit.removed is not None:
+            acct.removed(commit.removed)
         if plan is None:
             self.events.emit(request.op, request.path, "allow", target=request.target, rule=request.where.key)
         else:
             self.events.emit(
                 request.op, request.path, "allow", target=request.target, rule=request.where.key,
-                units=plan.counts, cycle=plan.cycle or None,
+                units=plan.counts, returns=plan.returns,
             )
         self.decider.committed(request)
         limit = self.limits.max_files

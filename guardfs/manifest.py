@@ -305,7 +305,18 @@ class Limits(_Strict):
         default=3,
         description=(
             "Oscillation: how often the same (file, symbol) - or for non-Python files the "
-            "same changed region - may be rewritten; one more is refused."
+            "same changed region - may be rewritten; one more is refused. A return to an "
+            "earlier content counts as a rewrite too."
+        ),
+    )
+    max_returns: Limit = Field(
+        default=1,
+        description=(
+            "Oscillation: how many times a file may return to an earlier content of its own "
+            "(a revert: A->B->A is one) before the next return is refused; with 1, A->B->A is "
+            "allowed and A->B->A->B trips. A file deleted and made again starts a new history; "
+            "a content made by truncation alone (truncate, ftruncate, O_TRUNC) is no version; "
+            "git putting back a version it holds (stash, checkout, reset) is exempt once per version."
         ),
     )
     window_steps: Annotated[int, Field(ge=1)] = Field(

@@ -48,6 +48,9 @@ class OpenFile:
     # Once a write on this handle is refused, its retries (a buffered writer flushing again
     # at close) are refused alike without asking again: one act, one judgement.
     refused: int = 0
+    # A write landed in this session. A session that only truncated (truncate, ftruncate,
+    # O_TRUNC) or created the file made no content of the agent's: no version of the file.
+    wrote: bool = False
 
 
 def _invalidate(ino: int) -> None:
@@ -122,7 +125,7 @@ class WriteSessions:
             f.cut = False
         elif not f.dirty:
             self.gate.allowed("write", f.entry.path, f.entry.where)
-        f.dirty = True
+        f.dirty = f.wrote = True
 
     def truncated(self, f: OpenFile) -> None:
         """*f* was truncated through its handle (ftruncate): the writes to come complete
@@ -136,16 +139,18 @@ class WriteSessions:
         if session is None or not f.dirty:
             return
         if f.refused:  # the session's write was refused and undone: nothing to count
-            f.dirty = f.cut = False
+            f.dirty = f.cut = f.wrote = False
             return
-        if f.cut and not final:
-            return  # truncated and not yet written: the writes to come complete this rewrite
+        if (f.cut or not f.wrote) and not final:
+            # Truncated (or created) and not yet written: the writes to come complete this
+            # rewrite; the shell's `>` closes a dup before it writes.
+            return
         new = self._current(f)
-        plan = self.gate.accounting.plan_rewrite(session.path, session.old, new, session.by_git)
+        plan = self.gate.accounting.plan_rewrite(session.path, session.old, new, session.by_git, resized=not f.wrote)
         self.gate.done(Request("rewrite", session.path, f.entry.where, True, rewrite=plan),
                        Commit(rewrite=plan, old=session.old))
         session.old = new  # writes through a dup of this handle start a new session
-        f.dirty = f.cut = False
+        f.dirty = f.cut = f.wrote = False
         if f.times is not None:
             st = os.fstat(f.fd)
             f.times = (st.st_atime_ns, st.st_mtime_ns)
@@ -181,7 +186,7 @@ class WriteSessions:
             done += os.pwrite(f.fd, view[done:], done)
         if f.times is not None:
             os.utime(f.fd, ns=f.times)
-        f.dirty = f.cut = False
+        f.dirty = f.cut = f.wrote = False
         invalidate_later(f.entry.ino)
 
     def _current(self, f: OpenFile) -> bytes | None:

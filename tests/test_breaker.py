@@ -143,10 +143,13 @@ CASES = [
                        rewrite(b, "src/checkout/t.py", fn("x + 2"), fn("x + 3")))[-1],
          lambda b, c: (rewrite(b, "src/checkout/t.py", fn("x"), fn("x + 1")),
                        rewrite(b, "src/checkout/t.py", fn("x + 1"), fn("x + 2")))[-1]),
-    Case("oscillation", State.HALF_OPEN_REANCHOR,  # A -> B -> A, within max_rewrites of each unit
-         lambda b, c: (rewrite(b, "src/checkout/r.txt", b"A\n", b"B\n"),
-                       rewrite(b, "src/checkout/r.txt", b"B\n", b"A\n"))[-1],
-         lambda b, c: rewrite(b, "src/checkout/r.txt", b"A\n", b"B\n")),
+    Case("oscillation", State.HALF_OPEN_REANCHOR,  # A -> B -> A -> B, a flip: its second return
+         lambda b, c: (rewrite(b, "src/checkout/r.py", b"A = 1\n", b"B = 1\n"),
+                       rewrite(b, "src/checkout/r.py", b"B = 1\n", b"A = 1\n"),
+                       rewrite(b, "src/checkout/r.py", b"A = 1\n", b"B = 1\n"))[-1],
+         # A -> B -> A, one revert: allowed (max_returns = 1 by default), counted as a rewrite
+         lambda b, c: (rewrite(b, "src/checkout/r.py", b"A = 1\n", b"B = 1\n"),
+                       rewrite(b, "src/checkout/r.py", b"B = 1\n", b"A = 1\n"))[-1]),
     Case("token_surge", State.HALF_OPEN_REANCHOR,
          lambda b, c: _steps(b, [400, 400, 201]),
          lambda b, c: _steps(b, [400, 400, 200, 400])),  # the window slides: 200+400+... stays <= 1000
@@ -392,3 +395,53 @@ def test_the_manifest_can_make_a_forbidden_read_terminal_at_once() -> None:
     b, _ = make('\n[breaker]\nrecoverable = ["scope_spill"]\n')
     assert not fs(b, "open", ".env", mutating=False).allow
     assert state_of(b) is State.OPEN_FORBIDDEN_PATH
+
+
+def _flip(b: Breaker, times: int) -> list[Verdict]:
+    """Flip src/checkout/r.py between two versions *times* times (A -> B is the first)."""
+    versions = [fn("x"), fn("x + 1")]
+    return [rewrite(b, "src/checkout/r.py", versions[i % 2], versions[(i + 1) % 2]) for i in range(times)]
+
+
+@pytest.mark.parametrize(("max_returns", "allowed"),
+                         [("", 2), ("max_returns = 2\n", 3), ('max_returns = "unlimited"\n', 8)])
+def test_max_returns_sets_how_often_a_file_may_flip_back(max_returns: str, allowed: int) -> None:
+    """With max_rewrites out of the way, a file may return max_returns times; the next trips."""
+    clock = Clock()
+    manifest = parse_manifest(MANIFEST.replace("max_rewrites = 2\n", 'max_rewrites = "unlimited"\n' + max_returns))
+    b = Breaker(manifest, WriteAccounting(), now=clock)
+    verdicts = _flip(b, allowed + 1)  # the first flip is no return
+    assert all(v.allow for v in verdicts) is (allowed == 8)
+    if allowed == 8:
+        assert not b.trips
+        return
+    assert all(v.allow for v in verdicts[:-1]) and not verdicts[-1].allow
+    assert [t.rule.value for t in b.trips] == ["oscillation"]
+    assert verdicts[-1].rule == "limits.max_returns"
+    assert f"return {allowed} (max_returns={allowed - 1})" in verdicts[-1].reason
+
+
+def test_a_return_that_landed_unjudged_trips_at_its_commit() -> None:
+    """A return no write previewed (written in place, not truncated) trips once it landed."""
+    b, _ = make()
+    for old, new in ((b"A\n", b"B\n"), (b"B\n", b"A\n")):
+        rewrite(b, "src/checkout/r.txt", old, new)
+    plan = b.accounting.plan_rewrite("src/checkout/r.txt", b"A\n", b"B\n")
+    b.accounting.commit_rewrite(plan, b"A\n")
+    b.committed(Request("rewrite", "src/checkout/r.txt", b.policy.classify("src/checkout/r.txt", False), True,
+                        rewrite=plan))
+    assert [t.rule.value for t in b.trips] == ["oscillation"]
+    assert "return 2 (max_returns=1)" in b.trips[0].reason
+
+
+def test_approve_raises_the_limit_that_tripped_max_returns() -> None:
+    """A flip names limits.max_returns, and guard approve --raise raises that one."""
+    manifest = parse_manifest(MANIFEST.replace("max_rewrites = 2\n", "max_rewrites = 5\n"))
+    b = Breaker(manifest, WriteAccounting(), now=Clock())
+    verdicts = _flip(b, 3)
+    assert not verdicts[-1].allow and b.trips[-1].limit == "max_returns"
+    assert "Rule: oscillation (limits.max_returns)" in verdicts[-1].reason
+    assert b.approve(raise_to=2).allow and b.limits.max_returns == 2 and b.limits.max_rewrites == 5
+    versions = [fn("x"), fn("x + 1")]
+    assert rewrite(b, "src/checkout/r.py", versions[0], versions[1]).allow  # the refused flip, now within it
+    assert len(b.trips) == 1 and b.accounting.files["src/checkout/r.py"].returns == 2

@@ -32,6 +32,8 @@ def test_eight_trajectories(cohorts: tuple[str, dict[str, Any], Path]) -> None:
     assert summary["B"]["out_of_scope_landed_unguarded"] > 0  # the drift is real without the guard
     assert summary["B"]["first_trip_rules"] == {"scope_spill": 2}
     assert summary["C"]["first_trip_rules"] == {"oscillation": 2}
+    # Step 19 is the first return (a revert: allowed); step 20, the flip back, is the second.
+    assert summary["C"]["first_trip_step_median"] == 20
     assert summary["D"]["first_trip_rules"] == {"token_surge": 2}
     assert summary["D"]["tokens_saved"] > 0
     assert summary["A"]["trajectories"] == 2

@@ -164,8 +164,8 @@ attempt("forged pick", lambda: write(todo, "pick " + forged[:9] + " innocent\n",
 attempt("forged orig-head", lambda: write(".git/rebase-merge/orig-head", forged + "\n", "a"))
 '''
 
-# Git putting back the committed version is no oscillation; a program that only calls itself
-# git, doing the same, is the agent's own return (A -> B -> A), a cycle.
+# Git putting back a committed version is no return of the agent's; a program that only
+# calls itself git, doing the same, makes the agent's own return (its second here: a trip).
 RESTORE = r'''
 START = open("src/checkout/tax.py").read()
 def overwrite(text):
@@ -175,25 +175,30 @@ def overwrite(text):
 overwrite("def total(x):\n    return 2\n")
 git("checkout", "checkout", "--", "src/checkout/tax.py")
 say("restored", open("src/checkout/tax.py").read() == START)
-overwrite("def total(x):\n    return 3\n")  # a new version (B again would be the agent's A-B-A-B)
+# The agent's own return to 2: its first (allowed), since git's put-back counted none.
+attempt("again", lambda: overwrite("def total(x):\n    return 2\n"))
+THREE = "def total(x):\n    return 2\n\nRATE = 3\n"
+overwrite(THREE)
+git("commit", "commit", "-qm", "three", "--", "src/checkout/tax.py")
+overwrite(THREE.replace("3", "4"))
 os.makedirs("/tmp/fake", exist_ok=True)
 fake = "/tmp/fake/git"
 with open(sys.executable, "rb") as src, open(fake, "wb") as dst:
     dst.write(src.read())
 os.chmod(fake, 0o755)
-code = "import os; fd = os.open('src/checkout/tax.py', os.O_RDWR | os.O_TRUNC); os.write(fd, %r.encode())" % START
+code = "import os; fd = os.open('src/checkout/tax.py', os.O_RDWR | os.O_TRUNC); os.write(fd, %r.encode())" % THREE
 proc = subprocess.run([fake, "-c", code], capture_output=True, text=True)
 say("fake git", proc.returncode)
 '''
 
-# A real oscillation (B -> C -> B, none of them committed), written in place so that it is
-# found when the write lands: the trip owes feedback to the next write.
+# A real oscillation (A -> B -> A -> B, the agent's own writes), written in place so that it
+# is found when the write lands: the trip owes feedback to the next write.
 FEEDBACK = r'''
 def overwrite(text):
     fd = os.open("src/checkout/tax.py", os.O_RDWR)
     os.write(fd, text.encode())
     os.close(fd)
-for text in ("def total(x):\n    return 2\n", "def total(x):\n    return 3\n", "def total(x):\n    return 2\n"):
+for text in ("def total(x):\n    return 2\n", "def total(x):\n    return 1\n", "def total(x):\n    return 2\n"):
     overwrite(text)
 git("add", "add", "src/checkout/tax.py")
 git("commit", "commit", "-qm", "two")
@@ -369,8 +374,9 @@ def test_only_git_itself_puts_a_version_back_without_a_trip(tmp_path: Path, user
     ws, manifest, outside = _workspace(tmp_path, user)
     moves, events, proc = _guard_run(tmp_path, ws, manifest, user, RESTORE, outside)
     detail = f"{moves}\n{proc.stderr[-3000:]}"
-    assert moves["checkout"] == 0 and moves["restored"] is True, detail
-    # The copy named git is not the git binary: its return to the start is a content cycle.
-    assert moves["fake git"] != 0, detail
+    assert moves["checkout"] == 0 and moves["restored"] is True and moves["again"] == "SUCCEEDED", detail
+    # The copy named git is not the git binary: its return to a committed version is the
+    # agent's second return, a trip (git's own would have been exempt, once per version).
+    assert moves["commit"] == 0 and moves["fake git"] != 0, detail
     assert _trips(events) == ["oscillation"], detail
-    assert (ws / "src/checkout/tax.py").read_text() == "def total(x):\n    return 3\n"  # refused, kept
+    assert (ws / "src/checkout/tax.py").read_text() == "def total(x):\n    return 2\n\nRATE = 4\n"  # refused, kept

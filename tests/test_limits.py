@@ -1,4 +1,4 @@
-"""Blast radius, rewrite limits and content cycles, through a real mount."""
+"""Blast radius, rewrite limits and returns to an earlier content, through a real mount."""
 
 from __future__ import annotations
 
@@ -95,19 +95,22 @@ def test_fourth_mutation_of_one_function_is_refused(tmp_path: Path) -> None:
         assert "symbol total" in denial["reason"] and "oscillation" in denial["reason"]
 
 
-def test_content_cycle_is_recognised(tmp_path: Path) -> None:
+def test_a_return_is_recognised_and_a_second_refused(tmp_path: Path) -> None:
     (tmp_path / "backing/src/checkout").mkdir(parents=True)
     with guarded_mount(tmp_path, LIMITED.replace("max_rewrites = 3", "max_rewrites = 10")) as g:
         path = g.mnt / "src/checkout/rate.py"
         a, b = "RATE = 0.2\n", "RATE = 0.25\n"
         path.write_text(a)
         path.write_text(b)
-        assert not any(e.get("cycle") for e in g.events())
-        path.write_text(a)  # A -> B -> A
-        cycles = [e for e in g.events() if e.get("cycle")]
-        assert len(cycles) == 1 and cycles[0]["path"] == "src/checkout/rate.py"
-        # Also through atomic saves.
+        assert not any(e.get("returns") for e in g.events())
+        path.write_text(a)  # A -> B -> A: a revert, allowed
+        returns = [e for e in g.events() if e.get("returns")]
+        assert len(returns) == 1 and returns[0]["path"] == "src/checkout/rate.py" and returns[0]["returns"] == 1
+        # The flip back, also through an atomic save, is refused (max_returns = 1 by default).
         tmp = g.mnt / "src/checkout/rate.py~"
         tmp.write_text(b)
-        os.rename(tmp, path)
-        assert len([e for e in g.events() if e.get("cycle")]) == 2
+        with pytest.raises(OSError) as info:
+            os.rename(tmp, path)
+        assert info.value.errno == errno.EDQUOT
+        assert path.read_text() == a
+        assert [d["rule"] for d in g.denials()] == ["limits.max_returns"]

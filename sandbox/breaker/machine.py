@@ -110,6 +110,9 @@ class Trip:
     time: float
     reason: str
     path: str = ""
+    # The [limits] key that tripped (oscillation has two: max_rewrites, max_returns); None
+    # for a rule without one.
+    limit: str | None = None
 
 
 #: Distinct tool calls remembered for repetition (least recently made forgotten first).
@@ -238,11 +241,6 @@ class Breaker:
         if not verdict.allow:
             rule = Rule.BLAST_RADIUS if verdict.rule == "limits.max_files" else Rule.OSCILLATION
             return self._trip(rule, verdict.reason, verdict, request.path)
-        plan = request.rewrite
-        if plan is not None and plan.cycle:
-            reason = f"{plan.path} would return to an earlier version of itself (A→B→A)"
-            return self._trip(Rule.OSCILLATION, reason, Verdict(False, "oscillation", None, ERRNO_LIMIT, reason),
-                              plan.path)
         if request.mutating:
             # The feedback a trip owes lands on the agent's own next write, never on git's
             # index or ref update (not counted): that would leave git half-done.
@@ -255,12 +253,14 @@ class Breaker:
         self.commit(request)
 
     def commit(self, request: Request) -> Effects:
-        """An allowed mutation landed: progress, unless it closed a content cycle (a trip,
-        whose effects are returned)."""
+        """An allowed mutation landed: progress, unless it was a return to an earlier version
+        past ``max_returns`` that no write judged before it landed (a trip, whose effects are
+        returned)."""
         plan = request.rewrite
-        if plan is not None and plan.cycle:
-            self._trip(Rule.OSCILLATION, f"{plan.path} returned to an earlier version of itself (A→B→A)", None,
-                       plan.path)
+        if plan is not None and plan.over_returns(self.limits.max_returns):
+            self._trip(Rule.OSCILLATION, f"{plan.path} returned to an earlier version of itself, return "
+                       f"{plan.returns} (max_returns={self.limits.max_returns}): it flips between versions", None,
+                       plan.path, limit="max_returns")
         elif request.where.scope.counted and not (plan is not None and plan.unchanged):
             self._changed_since_test = True
             self._progress()  # a write that leaves the content as it was is no progress
@@ -445,7 +445,7 @@ class Breaker:
         """Resume after a trip; optionally raise the limit that tripped to *raise_to*."""
         last = self.trips[-1] if self.trips else None
         if raise_to is not None:
-            key = RULES[last.rule].limit_key if last is not None else None
+            key = last.limit if last is not None else None
             if key is None:
                 return Reply(False, self.state, "approve --raise: the last trip has no numeric limit to raise")
             current = getattr(self.limits, key)
@@ -592,12 +592,17 @@ class Breaker:
         self._effects.clear()
         return effects
 
-    def _trip(self, rule: Rule, reason: str, refused: Verdict | None, path: str = "") -> Verdict:
+    def _trip(self, rule: Rule, reason: str, refused: Verdict | None, path: str = "", *,
+              limit: str | None = None) -> Verdict:
         """Record a trip and move the state; returns the denial carrying the feedback.
 
         *refused* is the operation being refused for it, if the trip has one; *path*, the
-        path it tripped on, if any.
+        path it tripped on, if any; *limit*, the [limits] key that tripped (default: the
+        refusal's, else the rule's own).
         """
+        if limit is None:
+            limit = (refused.rule.removeprefix("limits.") if refused is not None and refused.rule.startswith("limits.")
+                     else RULES[rule].limit_key)
         err = refused.errno if refused is not None else ERRNO_LIMIT
         if self.state.terminal:
             return Verdict(False, f"breaker {self.state.value}", None, err, self.last_feedback or reason)
@@ -609,7 +614,7 @@ class Breaker:
             self.state = _OPEN_STATE[rule]
             self._refuse_next = False
             self._effects.add(Effect.FREEZE)
-        trip = Trip(rule, self.state, self._c.steps, self.now(), reason, path)
+        trip = Trip(rule, self.state, self._c.steps, self.now(), reason, path, limit)
         self.trips.append(trip)
         self._changed_since_test = False  # a change before the trip vouches for no test after it
         self.last_feedback = self.feedback(trip)
@@ -635,7 +640,7 @@ class Breaker:
                       "another violation halts the run.")
         return "\n".join([
             f"guard: refused: {printable(trip.reason)}",  # a name in it cannot break or forge lines
-            f"Rule: {trip.rule.value}" + (f" (limits.{key})" if (key := RULES[trip.rule].limit_key) else ""),
+            f"Rule: {trip.rule.value}" + (f" (limits.{trip.limit})" if trip.limit else ""),
             f"Task {m.task.id}: {m.task.goal}",
             f"Scope: writes only in {', '.join(m.paths.allowed) or 'nowhere (read-only)'}; "
             + (f"never touch {', '.join(m.paths.workspace_secrets)}." if m.paths.workspace_secrets
