@@ -306,7 +306,7 @@ def github_step_summary(record: RunRecord, exit_status: int, artifact: str | Non
         "|---|---|",
         f"| exit status | {exit_status} |",
         f"| breaker | `{cell(led.get('state'))}` |",
-        f"| files mutated | {len(files)} |",
+        f"| files mutated | {cell(led.get('files', {}).get('distinct', len(files)))} |",  # the list is bounded
         f"| denials | {record.counts['denials']} |",
         f"| trips | {record.counts['trips']} |",
         f"| tokens | {cell(tokens.get('total', 0))} in {record.counts['steps']} steps |",

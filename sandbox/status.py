@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -116,7 +117,8 @@ def show_status(run_dir: Path, *, as_json: bool, follow: bool, out: TextIO,
             ledger = reply["ledger"]
         else:
             ledger = _ledger(run_dir, f"{control_socket_path(run_dir)} does not answer")
-            print(f"(the run in {run_dir} has ended; this is its last ledger)", file=out)
+            # With --json, stdout stays one JSON document.
+            print(f"(the run in {run_dir} has ended; this is its last ledger)", file=sys.stderr if as_json else out)
         print(json.dumps(ledger, indent=2) if as_json else render_state(ledger), end="", file=out)
         return Exit.OK
     print(f"following the run in {run_dir} until it ends (Ctrl-C stops following, not the run)", file=out, flush=True)

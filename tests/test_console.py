@@ -22,7 +22,10 @@ from typing import IO
 import psutil
 import pytest
 
+from guardfs.accounting import WriteAccounting
+from guardfs.events import EventLog
 from guardfs.manifest import parse_manifest
+from sandbox.breaker import Breaker
 from sandbox.launch.console import BURST, LiveConsole
 from sandbox.launch.run import RunOptions, terminal_action
 
@@ -142,7 +145,9 @@ def test_freeze_only_with_a_terminal_on_stderr_and_no_ci(tmp_path: Path) -> None
             os.close(fd)
 
 
-SPILL_TWICE = "echo x > README.md; echo y > NOTES.md; sleep 300"  # the second spill is terminal
+#: The second spill is terminal; the marker tells this session's agents from another's.
+MARKER = f"guardfs-console-test-{os.getpid()}"
+SPILL_TWICE = f"echo x > README.md; echo y > NOTES.md; sleep 300  # {MARKER}"
 
 
 @pytest.mark.root
@@ -226,7 +231,8 @@ def test_with_a_terminal_it_freezes_and_status_follows_it_to_the_stop(tmp_path: 
     assert "# guard state: OPEN_STOPPED" in ended.stdout
     as_json = subprocess.run([*GUARD, "status", "--json", "--run-dir", str(run_dir)], capture_output=True, text=True,
                              timeout=60, env=env)
-    assert json.loads(as_json.stdout.split("\n", 1)[1])["counts"] == {"denials": 2, "trips": 2}
+    assert json.loads(as_json.stdout)["counts"] == {"denials": 2, "trips": 2}
+    assert "has ended" in as_json.stderr
 
 
 def test_status_without_a_run_of_this_workspace_says_where_it_looked(tmp_path: Path, state: Path) -> None:
@@ -400,5 +406,26 @@ def test_exec_names_host_paths_and_a_failure_digest_keeps_the_line_that_explains
 @pytest.fixture(autouse=True)
 def _no_leftover_agents() -> Iterator[None]:
     yield
-    wait_for(lambda: not [p for p in psutil.process_iter(["cmdline"]) if "sleep 300" in " ".join(
+    wait_for(lambda: not [p for p in psutil.process_iter(["cmdline"]) if MARKER in " ".join(
         p.info["cmdline"] or [])], "no agent of these tests to be left")
+
+
+def test_a_hook_check_refused_is_counted_and_said_like_a_refused_operation(tmp_path: Path) -> None:
+    """An agent with hooks is refused before its tool runs: no FUSE request, but one denial,
+    with its path, in the same counts and on the same console."""
+    events = EventLog(None)
+    out = tmp_path / "console.txt"
+    with open(out, "w") as f:
+        events.watch(LiveConsole(f, tmp_path).on_event)
+        breaker = Breaker(parse_manifest(FIX_TAX, "guard.toml"), WriteAccounting(), now=time.monotonic,
+                          emit=events.emit)
+        assert not breaker.check("Write", ["README.md"]).allow  # out of scope: a recoverable trip
+        assert breaker.check("Read", ["README.md"], mutating=False).allow
+        assert not breaker.check("Write", ["NOTES.md"]).allow  # terminal
+        assert not breaker.check("Write", ["src/checkout/tax.py"]).allow  # refused while terminal
+    assert events.tally == {"denials": 3, "trips": 2}
+    assert [t["path"] for t in breaker.snapshot()["trips"]] == ["README.md", "NOTES.md"]
+    lines = out.read_text().splitlines()
+    assert lines[1].startswith("guard: denied Write call on README.md: README.md is outside the task's scope")
+    assert lines[-1] == ("guard: denied Write call on src/checkout/tax.py: breaker OPEN_SCOPE_SPILL: refused until "
+                         "guard approve or guard stop; the agent's hook was told so")

@@ -383,10 +383,13 @@ class Breaker:
         A refusal is an event (``check``, on the path refused), as a refused operation is.
         """
         self._touch()
+        halted = self.state.terminal
         reply, path = self._check(tool, paths, args, mutating, outside)
         if not reply.allow:
-            told = reply.feedback.split("\n", 1)[0]
-            self._emit("check", path, "deny", tool=tool, state=reply.state.value, reason=told[:500])
+            told = (f"breaker {self.state.value}: refused until guard approve or guard stop" if halted
+                    else reply.feedback.split("\n", 1)[0])
+            self._emit("check", path or (paths[0] if paths else ""), "deny", tool=tool, state=reply.state.value,
+                       reason=told[:500])
         return reply
 
     def _check(self, tool: str, paths: Sequence[str], args: Any, mutating: bool,

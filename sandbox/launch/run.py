@@ -122,7 +122,9 @@ def default_run_dir(task_id: str, base: Path | None = None) -> Path:
 
 
 def _say(text: str) -> None:
-    print(f"guard: {text}", file=sys.stderr, flush=True)
+    # A terminal in raw mode (an interactive agent's pty) does not return the carriage itself.
+    end = "\r\n" if sys.stderr.isatty() else "\n"
+    print(f"guard: {text}".replace("\n", end), file=sys.stderr, end=end, flush=True)
 
 
 def run(opts: RunOptions) -> int:
@@ -826,10 +828,12 @@ def _summary(opts: RunOptions, breaker: Breaker, accounting: WriteAccounting, ev
     snap = breaker.snapshot()
     files = [printable(f) for f in heapq.nsmallest(8, accounting.files)]  # names escaped: any bytes, no controls
     more = ", ..." if len(accounting.files) > 8 else ""
-    trips = ", ".join(f"{t['rule']}" + (f" on {printable(t['path'])}" if t.get("path") else "")
-                      + f" at step {t['step']}" for t in snap["trips"])
-    if snap["omitted"]["trips"]:
-        trips += f", ... ({snap['omitted']['trips']} more between them in events.jsonl)"
+    said = [f"{t['rule']}" + (f" on {printable(t['path'])}" if t.get("path") else "") + f" at step {t['step']}"
+            for t in snap["trips"]]
+    if snap["omitted"]["trips"]:  # the ledger keeps the first and the most recent (record.ledger_max_items)
+        said.insert(opts.manifest.record.ledger_max_items // 2,
+                    f"... {snap['omitted']['trips']} more in events.jsonl ...")
+    trips = ", ".join(said)
     dropped = sum(events.dropped.values())
     lines = [
         "run summary",
@@ -838,7 +842,8 @@ def _summary(opts: RunOptions, breaker: Breaker, accounting: WriteAccounting, ev
         # The counts ledger.json, guard report and the CI summary show too (guardfs.events.tally_kind).
         f"  denials: {events.tally['denials']}; trips: {events.tally['trips']}" + (f" ({trips})" if trips else ""),
         *([f"  events dropped by the event log's caps: {dropped} "
-           f"({', '.join(f'{op} {n}' for op, n in sorted(events.dropped.items()))}); denials and trips all kept"]
+           f"({', '.join(f'{op} {n}' for op, n in sorted(events.dropped.items()))}); every denial counted, "
+           "every trip and violation kept"]
           if dropped else []),
         f"  tokens: {snap['tokens']['total']} in {snap['steps']} steps",
         f"  run directory: {opts.run_dir} (stdout.log, stderr.log, events.jsonl, ledger.json, STATE.md)",
