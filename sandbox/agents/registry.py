@@ -146,8 +146,8 @@ _AIDER_GITCONFIG = """\
 
 def _aider(hook: str) -> Launch:
     del hook  # aider runs no hooks: the mount judges its edits, its shell commands and its commits
-    # --analytics-log /dev/stdout: its analytics events, JSON lines with each model call's exact
-    # usage, on the stdout the guard parses (sandbox.agents.aider); they go nowhere else.
+    # --analytics-log /dev/stdout: its analytics events, JSON lines with each model call's tokens,
+    # on the stdout the guard parses (sandbox.agents.aider); they go nowhere else.
     # --no-gitignore: aider would add ".aider*" to the repository's .gitignore (a change to the
     # user's project, out of most tasks' scope); its files are the guard's to keep apart (own_files).
     # --no-check-update: with --yes-always it would pip-install a newer aider into its own
@@ -187,7 +187,7 @@ _TABLE = (
     ),
     Agent(
         # No hooks: it edits files itself from the model's SEARCH/REPLACE blocks. Its output for
-        # humans rounds the tokens; its analytics log (to stdout, see _aider) has them exactly.
+        # humans rounds the tokens; its analytics log (to stdout, see _aider) has them whole.
         name="aider", commands=frozenset({"aider"}), stream_format="aider-analytics",
         parser="sandbox.agents.aider:AiderAnalyticsParser",
         mutating_tools=frozenset(), hook=None, launch=_aider,
