@@ -42,7 +42,7 @@ fi
 # with guard's message, rather than leaving an unguarded workspace.
 install -d -m 0700 /var/lib/guardfs
 cp "$manifest" /var/lib/guardfs/manifest.toml
-guard check /var/lib/guardfs/manifest.toml >/dev/null
+guard check --workspace "$WS" /var/lib/guardfs/manifest.toml >/dev/null
 say "manifest: $manifest"
 
 install -d -m 0700 "$REAL"

@@ -10,7 +10,9 @@ used but is almost certainly a mistake, judged against the workspace as it is:
 - an ``allowed`` pattern whose every path is also secret or protected (it allows no write);
 - a pattern that matches paths inside a generated tree but does not reach in (guardfs.policy:
   one matching at any depth stops at ``.venv/``, ``node_modules/`` unless it names the tree);
-- secrets that git tracks, with what each ``forbidden_in_git`` mode does about them.
+- secrets that git tracks, with what each ``forbidden_in_git`` mode does about them;
+- a ``secret`` starting with '/' (a path outside the workspace) that the workspace holds
+  instead (under ``forbidden`` a leading '/' anchored to the workspace root).
 
 Every :class:`Lint` names the manifest key, the pattern, the problem and the fix. The
 module is pure but for reading the workspace (a bounded walk, and git's index and HEAD).
@@ -25,7 +27,7 @@ from pathlib import Path
 import pathspec
 
 from guardfs.manifest import Manifest
-from guardfs.policy import GUARD_DIR, PathPolicy, Scope, pattern_applies
+from guardfs.policy import GUARD_DIR, Classification, PathPolicy, Scope, pattern_applies
 
 __all__ = ["MAX_ENTRIES", "Lint", "lint"]
 
@@ -67,6 +69,7 @@ def lint(manifest: Manifest, workspace: str | os.PathLike[str]) -> list[Lint]:
     entries, complete = _walk(root, policy)
     keyed = _patterns(manifest)
     out = _tracked_secrets(manifest, root, policy)
+    out += _absolute_secrets(manifest, root)
     out += _void_allowed(manifest, policy, entries)
     out += _idle_negations(keyed, entries)
     reaching = _reaching(keyed, entries)
@@ -184,17 +187,14 @@ def _void_allowed(manifest: Manifest, policy: PathPolicy, entries: list[_Entry])
         if pattern.startswith("!"):
             continue
         spec = pathspec.GitIgnoreSpec.from_lines([pattern])
-        matched = [e for e in entries if pattern_applies(spec, e.probe, e.tree)]
-        files = [e for e in matched if not e.is_dir] or matched  # a directory's own verdict says little
-        verdicts = [policy.classify(e.path, e.is_dir) for e in files]
         if pattern in secret or pattern in protected:
             wins = "secret" if pattern in secret else "protected"
-        elif verdicts and all(v.scope is Scope.FORBIDDEN for v in verdicts):
-            wins = "secret"
-        elif verdicts and all(v.scope in (Scope.FORBIDDEN, Scope.PROTECTED) for v in verdicts):
-            wins = "protected"
+            verdicts = []
         else:
-            continue
+            verdicts = _voided(spec, policy, entries)
+            if not verdicts:
+                continue
+            wins = "secret" if all(v.scope is Scope.FORBIDDEN for v in verdicts) else "protected"
         which = next((v.describe() for v in verdicts if v.key.startswith("paths.")), f"paths.{wins} {pattern!r}")
         what = "neither read nor written" if wins == "secret" else "read but never written"
         out.append(Lint("paths.allowed", pattern, (
@@ -202,6 +202,23 @@ def _void_allowed(manifest: Manifest, policy: PathPolicy, entries: list[_Entry])
             f"paths are {what}"), (
             f"remove it from allowed if they are {wins}; otherwise take them out of paths.{wins}")))
     return out
+
+
+def _voided(spec: pathspec.GitIgnoreSpec, policy: PathPolicy, entries: list[_Entry]) -> list[Classification]:
+    """The verdicts of what the allowed *spec* matches (files, or directories when it matches
+    no file: a directory's own verdict says little), when every one is secret or protected;
+    [] as soon as one is not (or when it matches nothing)."""
+    verdicts: list[Classification] = []
+    for want_dir in (False, True):
+        for e in entries:
+            if e.is_dir is want_dir and pattern_applies(spec, e.probe, e.tree):
+                where = policy.classify(e.path, e.is_dir)
+                if where.scope not in (Scope.FORBIDDEN, Scope.PROTECTED):
+                    return []
+                verdicts.append(where)
+        if verdicts:
+            return verdicts
+    return verdicts
 
 
 def _reaching(keyed: list[tuple[str, str]], entries: list[_Entry]) -> list[Lint]:
@@ -225,6 +242,24 @@ def _reaching(keyed: list[tuple[str, str]], entries: list[_Entry]) -> list[Lint]
                 f"reach in: a pattern matching at any depth stops at a generated tree, so they are not {effect}"),
                 f"nothing, if that is what you meant (a venv's own migrations/, a package's test certificates); "
                 f"to reach in, name the tree: {named!r}"))
+    return out
+
+
+def _absolute_secrets(manifest: Manifest, root: Path) -> list[Lint]:
+    """Secrets starting with '/' that the workspace holds relative to its root: under
+    ``forbidden`` a leading '/' anchors a pattern to the workspace; under ``secret`` it names
+    a path outside it, so one moved from ``forbidden`` would no longer hide the workspace's."""
+    out = []
+    for entry in manifest.paths.secret:
+        if not entry.startswith("/"):
+            continue
+        inside = entry.strip("/")
+        if os.path.lexists(root / inside) and not os.path.lexists(entry):
+            out.append(Lint("paths.secret", entry, (
+                f"names {entry} outside the workspace (a secret starting with '/' is an absolute path), which "
+                f"does not exist, while the workspace holds {inside}, which stays readable"), (
+                f"to hide the workspace's, write {inside!r} (anchored at the workspace root: '{inside}' with a "
+                "'/' inside it, or under paths.forbidden, where a leading '/' anchors to the workspace)")))
     return out
 
 

@@ -129,7 +129,7 @@ class Scope(enum.Enum):
     """What the agent may do with a path, in order of precedence."""
 
     FORBIDDEN = "forbidden"  # neither read nor write
-    PROTECTED = "protected"  # read-only whatever the manifest says
+    PROTECTED = "protected"  # read-only: paths.protected, or a built-in protection whatever the manifest says
     GIT_CONFIG = "git-config"  # a repository's config that existed when the guard started: read-only
     GIT_ANCHOR = "git-anchor"  # a .git or hooks directory: mkdir/rmdir only, never moved or linked
     GIT_GUARDED = "git-guarded"  # a config made during the run: replaced only by a checked rename

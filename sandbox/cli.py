@@ -6,8 +6,9 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -318,7 +319,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
           + (f" (and {outside} outside the workspace)" if outside else "")
           + f", {len(p.protected)} protected pattern(s); {len(warnings)} warning(s)"
           + (" (--strict: refused)" if warnings and args.strict else ""))
-    if args.verbose:
+    if getattr(args, "verbose", False):  # guard -v check, or guard check -v
         print()
         print(PathPolicy(manifest).describe())
     return Exit.DATAERR if warnings and args.strict else Exit.OK
@@ -339,31 +340,45 @@ def _cmd_mount(args: argparse.Namespace) -> int:
     if args.cache_timeout < 0:
         raise UsageError(f"--cache-timeout must be >= 0 seconds, not {args.cache_timeout:g}")
     try:
-        from guardfs.mount import check_directory, check_mountpoint, serve  # needs libfuse
+        from guardfs.mount import check_directory, check_fuse_available, check_mountpoint, serve  # needs libfuse
         from sandbox.session import Session
     except ImportError as err:
         raise MountError(f"libfuse 3 is not usable ({err}); install fuse3 and libfuse3-3") from err
     check_directory("BACKING", args.backing)
-    check_mountpoint(args.mountpoint)  # serve() checks it again; here before a run directory is made
+    # serve() checks these again; here before a run directory is made
+    check_mountpoint(args.mountpoint)
+    check_fuse_available()
     run_dir = Path(args.run_dir).resolve() if args.run_dir else None
+    made = run_dir is not None and not os.path.lexists(run_dir)
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
     from guardfs.events import EventLog
 
-    events = EventLog(args.events or (run_dir / "events.jsonl" if run_dir else None), caps=manifest.record)
+    ready: list[bool] = []  # an entry once the mount serves
+
+    def on_ready() -> None:
+        ready.append(True)
+        log.info("serving %s at %s", args.backing, args.mountpoint)
+
     try:
-        if run_dir is None:
-            with Session(manifest, args.backing, events, cache_timeout=args.cache_timeout,
-                         xattrs=args.xattrs) as session:
-                serve(session.fs, args.mountpoint,
-                      on_ready=lambda: log.info("serving %s at %s", args.backing, args.mountpoint))
-            return Exit.OK
-        return _mount_with_daemon(args, manifest, events, run_dir)
-    finally:
-        events.close()
+        events = EventLog(args.events or (run_dir / "events.jsonl" if run_dir else None), caps=manifest.record)
+        try:
+            if run_dir is None:
+                with Session(manifest, args.backing, events, cache_timeout=args.cache_timeout,
+                             xattrs=args.xattrs) as session:
+                    serve(session.fs, args.mountpoint, on_ready=on_ready)
+                return Exit.OK
+            return _mount_with_daemon(args, manifest, events, run_dir, on_ready)
+        finally:
+            events.close()
+    except BaseException:
+        if made and not ready and run_dir is not None:  # a refused start: the run directory held nothing yet
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
 
-def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: EventLog, run_dir: Path) -> int:
+def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: EventLog, run_dir: Path,
+                       on_ready: Callable[[], None]) -> int:
     import pyfuse3
 
     from guardfs.mount import serve
@@ -381,7 +396,7 @@ def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: Eve
         return Exit.USAGE
     try:
         print(f"guard: run directory {run_dir} (agent socket {session.daemon.agent_path})", file=sys.stderr)
-        serve(session.fs, args.mountpoint, companions=[session.daemon.run])
+        serve(session.fs, args.mountpoint, companions=[session.daemon.run], on_ready=on_ready)
     finally:
         session.close()
     return Exit.TRIPPED if session.breaker.state is State.OPEN_STOPPED else Exit.OK

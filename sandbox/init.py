@@ -163,7 +163,8 @@ def tracked_files(root: Path) -> tuple[set[str], str | None]:
     except (OSError, subprocess.TimeoutExpired) as err:
         return set(), str(err)
     if proc.returncode != 0:
-        return set(), proc.stderr.decode(errors="replace").strip().splitlines()[-1:][0] if proc.stderr else "git failed"
+        said = proc.stderr.decode(errors="replace").strip().splitlines()
+        return set(), said[-1] if said else f"git ls-files exited {proc.returncode}"
     return {os.fsdecode(p) for p in proc.stdout.split(b"\0") if p}, None
 
 
@@ -216,14 +217,25 @@ class _Plan:
     warnings: list[str] = field(default_factory=list)
 
 
+def _by_name(paths: Iterable[str]) -> dict[str, list[str]]:
+    """*paths* by their last component (a directory's without its trailing '/')."""
+    out: dict[str, list[str]] = {}
+    for path in paths:
+        out.setdefault(path.rstrip("/").rsplit("/", 1)[-1], []).append(path)
+    return out
+
+
 def _plan_secrets(plan: _Plan, found: Survey, tracked: set[str]) -> None:
+    # Every secret pattern has no '/': it matches a name, wherever it is. Matching each distinct
+    # name once keeps this fast on a tree of a million files.
+    files, dirs = _by_name(found.files), _by_name(found.dirs)
     for pattern, what in SECRET_PATTERNS:
         spec = pathspec.GitIgnoreSpec.from_lines([pattern])
-        matches = [f for f in found.files if spec.match_file(f)]
+        matches = sorted(p for name, paths in files.items() if spec.match_file(name) for p in paths)
         if not matches:
             plan.secret_absent.append(pattern)
             continue
-        if any(spec.match_file(d) for d in found.dirs):
+        if any(spec.match_file(name + "/") for name in dirs):
             # A directory it would hide whole (a virtualenv called .env): the files it found, by name.
             plan.secret += [_Entry(_anchored(f), what) for f in matches if f not in tracked and _named(f)]
         else:
@@ -431,7 +443,7 @@ def init(opts: InitOptions) -> int:
     text = render(opts.goal.strip(), opts.ident or task_id(opts.goal), allowed, plan)
     warnings += _validate(text, str(target), root, plan)
     try:
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if opts.force else os.O_EXCL)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if opts.force else os.O_EXCL)
         with open(target, "w", encoding="utf-8", opener=lambda p, _f: os.open(p, flags, 0o644)) as out:
             out.write(text)
     except OSError as err:

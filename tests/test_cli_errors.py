@@ -160,7 +160,7 @@ def test_a_refused_start_leaves_no_run_directory(tmp_path: Path) -> None:
         proc = subprocess.run([sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest), *run_dir,
                                "--", "true"], cwd=ws, capture_output=True, text=True, timeout=120, env=env)
         assert proc.returncode == Exit.DATAERR, proc.stderr
-        assert "git tracks forbidden path(s) .env" in proc.stderr, proc.stderr
+        assert "git tracks secret path(s) .env" in proc.stderr, proc.stderr
     assert not given.exists()
     runs = state / "guardfs/runs"
     assert not runs.exists() or not any(runs.iterdir()), list(runs.iterdir())
@@ -180,6 +180,10 @@ def test_run_without_a_manifest_says_how_to_get_one(tmp_path: Path) -> None:
     assert proc.stderr == (f"guard run: no guard.toml in the workspace {ws}, and no --manifest given; write one with "
                            'guard init --allow DIR "GOAL" (DIR: where the agent may write), or pass --manifest M\n')
     assert "guard.toml" in guard("run", "--help").stdout
+    for verbose in (["-v", "run"], ["run", "-v"]):  # guard run -v was "unrecognized arguments"
+        proc = subprocess.run([sys.executable, "-m", "sandbox", *verbose, "--", "true"], cwd=ws, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == Exit.USAGE and proc.stderr.startswith("guard run: no guard.toml"), proc.stderr
 
 
 @pytest.mark.root

@@ -245,7 +245,8 @@ subprocess.run(["mount", "--bind", base + "/dev/fuse", "/dev/fuse"], check=True)
 user = ["/usr/bin/setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
 probe = subprocess.run([*user, "sh", "-c", "exec 3<>/dev/fuse"], capture_output=True, text=True)
 env = {{**os.environ, "PYTHONPATH": {pythonpath!r}, "PATH": {path!r}}}
-proc = subprocess.Popen([*user, "/usr/bin/python3", "-m", "sandbox", "mount", base + "/backing", base + "/mnt"],
+proc = subprocess.Popen([*user, "/usr/bin/python3", "-m", "sandbox", "mount", "--run-dir", base + "/run",
+                         base + "/backing", base + "/mnt"],
                         stderr=subprocess.PIPE, text=True, env=env, cwd=base)
 read = None
 def served():  # read as the user: without allow_other, FUSE refuses everyone else, root too
@@ -260,7 +261,7 @@ finally:
         proc.send_signal(signal.SIGTERM)
     _out, err = proc.communicate(timeout=20)
 print(json.dumps({{"opens": probe.returncode == 0, "status": proc.returncode, "stderr": err, "read": read,
-                  "mounted": os.path.ismount(base + "/mnt")}}))
+                  "mounted": os.path.ismount(base + "/mnt"), "run_dir": os.path.exists(base + "/run")}}))
 """
 
 
@@ -302,8 +303,25 @@ def test_guard_mount_as_a_user(installation: str, mode: int, helper: str) -> Non
                 "it; install fuse3 (apt-get install fuse3: its fusermount3 is setuid root), or run guard as root\n"), \
                 found
         if helper == "setuid" and mode == 0o666:
-            assert (found["status"], found["read"], found["mounted"]) == (0, "served", False), found
-        else:
-            assert (found["status"], found["read"]) == (69, None), found
+            assert (found["status"], found["read"], found["mounted"], found["run_dir"]) == (0, "served", False, True)
+        else:  # a refused start leaves no run directory behind
+            assert (found["status"], found["read"], found["run_dir"]) == (69, None, False), found
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_refused_mount_leaves_no_run_directory(tmp_path: Path) -> None:
+    """git tracks a secret: refused (65) before the mount, and the run directory it made is gone."""
+    backing, mnt, run_dir = tmp_path / "backing", tmp_path / "mnt", tmp_path / "runs/run"
+    backing.mkdir()
+    mnt.mkdir()
+    (backing / ".env").write_text("SECRET=1\n")
+    subprocess.run(["git", "init", "-q"], cwd=backing, check=True)
+    subprocess.run(["git", "add", ".env"], cwd=backing, check=True)
+    manifest = tmp_path / "m.toml"
+    manifest.write_text('[task]\nid = "t"\ngoal = "g"\n[paths]\nsecret = [".env*"]\n')
+    proc = subprocess.run([sys.executable, "-m", "sandbox", "mount", "--manifest", str(manifest), "--run-dir",
+                           str(run_dir), str(backing), str(mnt)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 65, proc.stderr
+    assert "git tracks secret path(s) .env" in proc.stderr, proc.stderr
+    assert not run_dir.exists() and not listed(mnt)

@@ -322,14 +322,17 @@ def test_credential_stores_are_masked_in_a_home_the_sandbox_shows(tmp_path: Path
     home = Path(tempfile.mkdtemp(prefix="guardfs-home-", dir="/var/tmp"))
     try:
         _credential_home(home)
-        ws, manifest = _repository(tmp_path)
+        (home / ".config").mkdir()
+        (home / ".config/tokens.json").write_text("{}\n")
+        ws, manifest = _repository(tmp_path, 'secret = ["~/.config/tokens.json"]\n')  # the manifest's own, in [paths]
         probe = _executable(tmp_path / "probe", PROBE_PY)
         run_dir = tmp_path / "run"
-        result = _guard_run(manifest, ws, run_dir, [str(probe), *READS], {**os.environ, "HOME": str(home)})
+        result = _guard_run(manifest, ws, run_dir, [str(probe), *READS, "~/.config/tokens.json"],
+                            {**os.environ, "HOME": str(home)})
         assert result.returncode == 0, result.stderr
-        assert _report(run_dir, result)["reads"] == MASKED
+        assert _report(run_dir, result)["reads"] == {**MASKED, "~/.config/tokens.json": ["EACCES", None]}
         assert f"credential stores masked (a read is refused with EACCES; outside the mount, so not counted): " \
-               f"{home}/.ssh, {home}/.aws" in result.stderr
+               f"{home}/.ssh, {home}/.aws, {home}/.config/tokens.json" in result.stderr
     finally:
         shutil.rmtree(home)
 

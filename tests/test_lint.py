@@ -237,3 +237,19 @@ def test_check_help_names_every_section_and_the_schema(tmp_path: Path) -> None:
     text = " ".join(proc.stdout.split())
     assert all(f"[{name}]" in text for name in _SECTION_NAMES) and "guard schema" in text
     assert "--strict" in text and "guard.toml" in text
+
+
+def test_an_absolute_secret_that_meant_the_workspaces_own_path(tmp_path: Path) -> None:
+    """Under forbidden a leading '/' anchors to the workspace root; under secret it names a
+    path outside. One moved from forbidden to secret would stop hiding the workspace's file."""
+    ws = repository(tmp_path)
+    (ws / "config").mkdir()
+    (ws / "config/master.key").write_text("KEY\n")
+    found = warnings('allowed = ["app/"]\nsecret = [".env*", "/config/master.key"]\n', ws)
+    warning = about(found, "paths.secret", "/config/master.key")
+    assert "the workspace holds config/master.key, which stays readable" in warning.problem
+    assert "write 'config/master.key'" in warning.fix
+    policy = PathPolicy(parse_manifest(HEAD + 'secret = ["config/master.key"]\n'))
+    assert policy.classify("config/master.key", False).scope is Scope.FORBIDDEN  # the fix hides it
+    assert not [w for w in warnings('allowed = ["app/"]\nforbidden = ["/config/master.key"]\n', ws)
+                if "outside the workspace" in w.problem]

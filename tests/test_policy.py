@@ -151,7 +151,8 @@ CLASSES = PathPolicy(parse_manifest(
     '[task]\nid = "t"\ngoal = "g"\n[paths]\nallowed = ["**"]\n'
     'secret = [".env*", "**/*.pem", "~/.ssh", "/etc/passwd", ".venv/**/named.pem"]\n'
     'forbidden = ["keys/", "!.env.example"]\n'
-    'protected = [".github/workflows/", "**/migrations/", "package-lock.json", "!.github/workflows/scratch.yml"]\n'
+    'protected = [".github/workflows/", "**/migrations/", "package-lock.json", "!.github/workflows/scratch.yml", '
+    '"dist/"]\n'
 ))
 SITE = ".venv/lib/python3.11/site-packages"
 
@@ -177,6 +178,9 @@ SITE = ".venv/lib/python3.11/site-packages"
         ("app/migrations/0001_initial.py", False, Scope.PROTECTED, "paths.protected", "**/migrations/"),
         ("app/migrations", True, Scope.PROTECTED, "paths.protected", "**/migrations/"),
         ("package-lock.json", False, Scope.PROTECTED, "paths.protected", "package-lock.json"),
+        # Protected wins over generated output that would land in the workspace.
+        ("dist/app.js", False, Scope.PROTECTED, "paths.protected", "dist/"),
+        ("dist", True, Scope.PROTECTED, "paths.protected", "dist/"),
         ("web/package-lock.json", False, Scope.PROTECTED, "paths.protected", "package-lock.json"),
         # The bytecode of a protected package goes to the run's scratch layer (never the
         # workspace): a test run importing the migrations trips nothing.
@@ -313,6 +317,8 @@ CLASSES_RUN = """
     attempt("progress 2", lambda: append("app/b.py"))
     attempt("write manifest", lambda: append("guard.toml"))
     attempt("progress 3", lambda: append("app/c.py"))
+    attempt("read env", lambda: read(".env"))
+    attempt("progress 4", lambda: append("app/d.py"))
     site = glob.glob(".venv/lib/python3*/site-packages")[0]
     test = subprocess.run([".venv/bin/python", "-c",
                            "import django.db.migrations.operations as o, django.db.migrations as m; "
@@ -322,18 +328,26 @@ CLASSES_RUN = """
     attempt("read certifi", lambda: len(read(f"{site}/pip/_vendor/certifi/cacert.pem")) > 0)
     attempt("git log", lambda: subprocess.run(["git", "log", "--format=%s"], capture_output=True, text=True,
                                                check=True).stdout)
+    home = os.path.expanduser("~")
+    attempt("outside secret", lambda: read(f"{home}/.config/acme/token"))
+    attempt("outside neighbour", lambda: read(f"{home}/.config/acme/public"))
     print(json.dumps(out))
 """
 
 
 @pytest.mark.mount
 @pytest.mark.slow
-def test_a_protected_tracked_workflow_starts_reads_and_refuses_writes_under_guard_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["venv-through-the-mount", "venv-native"])
+def test_a_protected_tracked_workflow_starts_reads_and_refuses_writes_under_guard_run(
+    tmp_path: Path, native: bool,
+) -> None:
     """guard run --ci in a repository that tracks its CI workflow and its migrations, with a
     venv holding Django: the run starts (no exit 65: only secrets are checked against git),
     the protected files read and refuse writes (EROFS, a scope_spill each, recovered), the
     manifest is read-only, and '**/migrations/' leaves Django's own migrations importable and
-    writable as generated output; '**/*.pem' leaves pip's CA bundle readable."""
+    writable as generated output; '**/*.pem' leaves pip's CA bundle readable. The same
+    through the mount (the policy judges every venv path) and with the venv bound natively
+    (nothing masked in it that the policy would serve)."""
     require("git")
     ws, home = tmp_path / "ws", tmp_path / "home"
     home.mkdir()
@@ -345,8 +359,8 @@ def test_a_protected_tracked_workflow_starts_reads_and_refuses_writes_under_guar
         (ws / rel).write_text(text)
     (ws / "guard.toml").write_text(
         '[task]\nid = "tags"\ngoal = "Fix the tagging helper in app/"\n[paths]\nallowed = ["**"]\n'
-        'secret = [".env*", "**/*.pem"]\nprotected = [".github/workflows/", "**/migrations/"]\n'
-        f'[sandbox]\nnative_generated = false\nwritable = ["{home}"]\n')  # the venv through the mount: judged
+        'secret = [".env*", "**/*.pem", "~/.config/acme/token"]\nprotected = [".github/workflows/", "**/migrations/"]\n'
+        f'[sandbox]\nnative_generated = {"true" if native else "false"}\nwritable = ["{home}"]\n')
     for argv in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "init"]):
         subprocess.run(argv, cwd=ws, env=env, check=True)
     subprocess.run(["/usr/bin/python3", "-m", "venv", str(ws / ".venv")], check=True)
@@ -354,23 +368,35 @@ def test_a_protected_tracked_workflow_starts_reads_and_refuses_writes_under_guar
                          env={**env, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
     if pip.returncode != 0:
         pytest.skip(f"Django cannot be installed from here: {pip.stderr[-300:]}")
+    (home / ".config/acme").mkdir(parents=True)
+    (home / ".config/acme/token").write_text("TOKEN-VALUE\n")
+    (home / ".config/acme/public").write_text("PUBLIC\n")
     run_dir = tmp_path / "run"
     proc = guard_run(ws / "guard.toml", ws, run_dir, CLASSES_RUN, "--ci", env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "git tracks" not in proc.stderr
+    trees = [line for line in proc.stderr.splitlines() if "generated trees (written natively" in line]
+    if native:  # '**/*.pem' does not reach into .venv/: pip's CA bundle is not masked
+        assert len(trees) == 1 and ".venv" in trees[0] and "masked" not in trees[0], proc.stderr
+    else:
+        assert trees == [], proc.stderr
     out = json.loads((run_dir / "stdout.log").read_text().splitlines()[-1])
     assert out["read ci"] == "on: push\n" and out["read migration"] == "ops = []\n"
     assert out["write ci"] == "EROFS" and out["write migration"] == "EROFS" and out["write manifest"] == "EROFS"
-    assert all(isinstance(out[f"progress {i}"], int) for i in (1, 2, 3)), out
+    assert all(isinstance(out[f"progress {i}"], int) for i in (1, 2, 3, 4)), out
+    assert out["read env"] == "EACCES"
     assert "IMPORTED" in out["import"] and "/django/db/migrations/" in out["import"], out["import"]
     assert out["write venv migration"] == 6 and out["read certifi"] is True, out
     assert out["git log"] == "init\n"
+    # A secret outside the workspace is hidden in the sandbox (guardfs.manifest.outside_secrets).
+    assert out["outside neighbour"] == "PUBLIC\n" and "TOKEN-VALUE" not in str(out["outside secret"]), out
     assert (ws / ".github/workflows/ci.yml").read_text() == "on: push\n"
     assert (ws / "app/migrations/0001_initial.py").read_text() == "ops = []\n"
     assert list((ws / ".venv/lib").glob("python3*/site-packages/django/db/migrations/guard_probe.py"))
     ledger = json.loads((run_dir / "ledger.json").read_text())
     trips = [(t["rule"], t.get("reason", "")) for t in ledger["trips"]]
-    assert [rule for rule, _ in trips] == ["scope_spill"] * 3, trips
-    for (_, reason), path in zip(trips, (".github/workflows/ci.yml", "app/migrations/0001_initial.py", "guard.toml"),
-                                 strict=True):
+    assert [rule for rule, _ in trips] == ["scope_spill"] * 3 + ["forbidden_path"], trips
+    for (_, reason), path in zip(trips, (".github/workflows/ci.yml", "app/migrations/0001_initial.py", "guard.toml",
+                                         ".env"), strict=True):
         assert path in reason, trips
+    assert "paths.protected '.github/workflows/'" in trips[0][1] and "paths.secret '.env*'" in trips[3][1], trips
