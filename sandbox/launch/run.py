@@ -674,7 +674,7 @@ def _start_watchers(watchers: trio.Nursery, session: Session, tree: ProcessTree,
 
 def _give(fd: int, user: str | None) -> None:
     """The agent's end of its output, owned by the agent's *user* (when another): so that it may
-    open it again by name, as /dev/stdout (aider writes its analytics log there)."""
+    open it again by name, as /dev/stdout (an agent may log there, as its table entry says)."""
     if user is not None:
         pw = pwd.getpwnam(user)
         os.fchown(fd, pw.pw_uid, pw.pw_gid)
