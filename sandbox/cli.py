@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from guardfs.errors import CantCreateError, GuardError, MountError, UnavailableError, UsageError
 from sandbox.agents.fasthook import VERSION, GuardClientError
-from sandbox.agents.registry import AGENTS, FORMATS, detect
+from sandbox.agents.registry import AGENTS, FORMATS, HOOKED, detect
 from sandbox.exitcodes import Exit
 
 if TYPE_CHECKING:
@@ -194,7 +194,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Read the agent's hook JSON on stdin, ask the guard (GUARD_SOCKET), and answer in the "
                     "agent's convention: exit 2 with the reason on stderr blocks the tool.",
     )
-    hook.add_argument("agent", choices=list(AGENTS), help="whose hook format")
+    hook.add_argument("agent", choices=list(HOOKED), help="whose hook format")
 
     report = sub.add_parser(
         "report",
