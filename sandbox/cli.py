@@ -351,6 +351,9 @@ def _cmd_mount(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir).resolve() if args.run_dir else None
     made = run_dir is not None and not os.path.lexists(run_dir)
     if run_dir is not None:
+        from sandbox.breaker.daemon import check_socket_room
+
+        check_socket_room(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
     from guardfs.events import EventLog
 
@@ -436,6 +439,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
                          "(it holds the control socket); give another --run-dir")
     if run_dir.exists() and any(run_dir.iterdir()):
         raise UsageError(f"run directory {run_dir} is not empty; give a new one with --run-dir")
+    from sandbox.breaker.daemon import check_socket_room
+
+    check_socket_room(run_dir)
     if args.user is not None:
         import pwd
 

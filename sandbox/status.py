@@ -3,7 +3,8 @@
 Without ``--run-dir`` it takes the latest run of this workspace: the run directories under
 the default places ``guard run`` makes them (:func:`sandbox.launch.runs.default_runs_bases`)
 whose ``workspace`` marker names the workspace — the git top level of the current
-directory, else the directory itself, as ``guard run`` decides it. ``--follow`` prints a
+directory, else the directory itself, as ``guard run`` decides it
+(:func:`sandbox.launch.workspace.workspace_for`). ``--follow`` prints a
 line per change of the breaker's state (and per new trip) until the run ends, then the
 run's last state from its ledger, and exits 0: ``guard status`` reports a run, it does not
 judge it (the run's own exit status is ``guard run``'s).
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -26,22 +26,20 @@ from sandbox.breaker.client import GuardClient, GuardUnreachable, control_socket
 from sandbox.breaker.ledger import render_state
 from sandbox.exitcodes import Exit
 from sandbox.launch.runs import default_runs_bases
+from sandbox.launch.workspace import workspace_for
 
-__all__ = ["FOLLOW_INTERVAL_S", "latest_run", "show_status", "this_workspace"]
+__all__ = ["FINAL_LEDGER_WAIT_S", "FOLLOW_INTERVAL_S", "latest_run", "show_status", "this_workspace"]
 
 #: How often --follow asks the guard for its state.
 FOLLOW_INTERVAL_S = 0.2
+#: How long --follow waits, once the guard no longer answers, for it to write its last ledger.
+FINAL_LEDGER_WAIT_S = 10.0
 
 
 def this_workspace(cwd: Path | None = None) -> Path:
-    """The workspace ``guard run`` would guard from *cwd*: the git top level, else *cwd*."""
-    here = Path(os.path.realpath(cwd or os.getcwd()))
-    try:
-        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=here, capture_output=True, text=True,
-                             timeout=30, check=False).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        top = ""
-    return Path(os.path.realpath(top)) if top else here
+    """The workspace ``guard run`` would guard from *cwd* (sandbox.launch.workspace): the git
+    top level, else *cwd*."""
+    return workspace_for(cwd or Path.cwd(), None)
 
 
 def latest_run(workspace: Path, bases: list[Path] | None = None) -> Path:
@@ -132,6 +130,11 @@ def show_status(run_dir: Path, *, as_json: bool, follow: bool, out: TextIO,
                   file=out, flush=True)
         sleep(FOLLOW_INTERVAL_S)
         reply = _ask(run_dir)
+    # A guard that stopped answering may still be writing its last ledger: it removes its control
+    # socket once that is done (one a killed guard left behind is waited for a bounded time).
+    deadline = time.monotonic() + FINAL_LEDGER_WAIT_S
+    while Path(control_socket_path(run_dir)).exists() and time.monotonic() < deadline:
+        sleep(FOLLOW_INTERVAL_S / 4)
     ledger = _ledger(run_dir, "the guard no longer answers")
     print(f"{time.strftime('%H:%M:%S')} the run has ended: " + (json.dumps(ledger) if as_json else _line(ledger))
           + ("" if as_json else f" (ledger: {run_dir / 'ledger.json'})"), file=out, flush=True)

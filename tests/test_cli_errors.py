@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,9 +153,17 @@ def _tracked_secret(tmp_path: Path) -> tuple[Path, Path]:
     return ws, manifest
 
 
-def test_a_refused_start_leaves_no_run_directory(tmp_path: Path) -> None:
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A directory with a short path (tmp_path's, plus a default run directory's name, can be
+    too deep for a unix socket), removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="gs-") as made:
+        yield Path(made)
+
+
+def test_a_refused_start_leaves_no_run_directory(tmp_path: Path, short_tmp: Path) -> None:
     ws, manifest = _tracked_secret(tmp_path)
-    given, state = tmp_path / "given-run", tmp_path / "state"
+    given, state = tmp_path / "given-run", short_tmp  # the default run directory's sockets must fit
     env = {**os.environ, "XDG_STATE_HOME": str(state)}
     for run_dir in (["--run-dir", str(given)], []):
         proc = subprocess.run([sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest), *run_dir,
@@ -169,6 +178,22 @@ def test_a_refused_start_leaves_no_run_directory(tmp_path: Path) -> None:
                            str(given), "--", "true"], cwd=ws, capture_output=True, text=True, timeout=120)
     assert proc.returncode == Exit.DATAERR, proc.stderr
     assert given.is_dir()
+
+
+def test_a_run_directory_too_deep_for_its_sockets_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (tmp_path / "m.toml").write_text('[task]\nid = "t"\ngoal = "g"\n')
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    env = {**os.environ, "XDG_STATE_HOME": str(deep)}
+    run = subprocess.run([sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(tmp_path / "m.toml"),
+                          "--", "true"], cwd=ws, capture_output=True, text=True, timeout=120, env=env)
+    mount = guard("mount", "--run-dir", str(deep / "run"), str(ws), str(tmp_path))
+    for proc in (run, mount):
+        assert proc.returncode == Exit.USAGE, proc.stderr
+        assert "too deep for its sockets" in proc.stderr and "shorter --run-dir" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert not deep.exists()  # no run directory was made for a start that could not be
 
 
 def test_run_without_a_manifest_says_how_to_get_one(tmp_path: Path) -> None:
@@ -209,8 +234,8 @@ def test_guard_run_inside_guard_run_names_the_cause(tmp_path: Path) -> None:
 
 def test_a_default_run_directory_leaves_room_for_its_control_socket(tmp_path: Path) -> None:
     """guard init's task ids come from the goal (up to 36 characters), and homes are deep: a
-    default run directory's control socket was past a unix socket's 107 bytes, and guard run
-    failed as an internal error (70, "AF_UNIX path too long"). The id is cut, never the rest."""
+    default run directory's control socket was past a unix socket's 107 bytes, so a new user's
+    every run failed (70, "AF_UNIX path too long"; then refused as too deep). The id is cut."""
     from sandbox.breaker.client import control_socket_path
     from sandbox.breaker.daemon import SOCKET_PATH_MAX
     from sandbox.launch.run import default_run_dir
@@ -222,14 +247,3 @@ def test_a_default_run_directory_leaves_room_for_its_control_socket(tmp_path: Pa
     assert run_dir.parent == base and len(kept) > 8 and "add-tag-count-to-taggit-utils-with-a".startswith(kept), run_dir
     assert default_run_dir("fix-tax", base).name.endswith(f"-fix-tax-{os.getpid()}")  # short ids whole
 
-
-def test_a_run_directory_too_long_for_its_control_socket_is_refused_at_start(tmp_path: Path) -> None:
-    from .test_run import workspace
-
-    ws, manifest = workspace(tmp_path)
-    given = tmp_path / ("r" * (120 - len(str(tmp_path))))
-    proc = subprocess.run([sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest), "--run-dir",
-                           str(given), "--", "true"], cwd=ws, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == Exit.USAGE, proc.stderr
-    assert "too long a path for a unix socket" in proc.stderr and "give a shorter --run-dir" in proc.stderr
-    assert not given.exists()

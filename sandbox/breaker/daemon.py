@@ -60,7 +60,8 @@ from sandbox.breaker.protocol import (
     parse_control,
 )
 
-__all__ = ["AGENT_SOCKET", "CONTROL_SOCKET", "MAX_BUFFERED", "MAX_CONNECTIONS", "Daemon", "RunDirBusy"]
+__all__ = ["AGENT_SOCKET", "CONTROL_SOCKET", "MAX_BUFFERED", "MAX_CONNECTIONS", "SOCKET_PATH_MAX", "Daemon",
+           "RunDirBusy", "check_socket_room"]
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,19 @@ class RunDirBusy(UsageError):
     """Another guard is serving this run directory."""
 
 
-#: The longest path a unix socket may be bound at (sun_path's 108 bytes, less the NUL).
+#: The longest path a unix socket can be bound at (sun_path holds 108 bytes with its NUL).
 SOCKET_PATH_MAX = 107
+
+
+def check_socket_room(run_dir: Path) -> None:
+    """Raise a UsageError, before anything starts, when *run_dir* is too deep for the sockets
+    the daemon binds in it (the kernel would refuse the bind with "AF_UNIX path too long")."""
+    longest = max((run_dir / AGENT_SOCKET, run_dir / CONTROL_SOCKET), key=lambda p: len(os.fsencode(p)))
+    if len(os.fsencode(longest)) > SOCKET_PATH_MAX:
+        raise UsageError(
+            f"the run directory {run_dir} is too deep for its sockets: {longest} has "
+            f"{len(os.fsencode(longest))} bytes, a unix socket's path at most {SOCKET_PATH_MAX}; give a "
+            "shorter --run-dir (or a shorter XDG_STATE_HOME, where the default run directories are made)")
 
 
 class _Conn:
@@ -210,13 +222,7 @@ class Daemon:
     # ----- set-up and teardown -------------------------------------------------------
 
     def prepare(self) -> None:
-        """Create the run directory and claim it; raise RunDirBusy if a guard serves it, and
-        UsageError if a socket's path in it would be too long to bind."""
-        for path in (self.agent_path, self.control_path):
-            if (length := len(os.fsencode(path))) > SOCKET_PATH_MAX:
-                raise UsageError(f"{path} is too long a path for a unix socket ({length} bytes, at most "
-                                 f"{SOCKET_PATH_MAX}): give a shorter --run-dir (the default lies under "
-                                 "$XDG_STATE_HOME, else ~/.local/state)")
+        """Create the run directory and claim it; raise RunDirBusy if a guard serves it."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # The guard's alone: its record, restore points and control socket. An agent of
         # another user reaches its socket through a staging directory (guard run --user).
@@ -236,10 +242,11 @@ class Daemon:
         self.write_ledger()
 
     def cleanup(self) -> None:
-        """Remove the sockets; write the ledger one last time."""
+        """Write the ledger one last time; remove the sockets (in this order: a control socket
+        gone says the final ledger is there, for guard status --follow)."""
+        self.write_ledger()
         for path in (self.agent_path, self.control_path):
             path.unlink(missing_ok=True)
-        self.write_ledger()
 
     def snapshot(self) -> dict[str, Any]:
         """What the ledger holds: the breaker's snapshot, and the run's counts of denials and

@@ -110,7 +110,7 @@ class LiveConsole:
     async def run(self) -> None:
         """Say what was held back as soon as the rate allows a line again (until cancelled)."""
         while True:
-            await trio.sleep(1.0 / self.per_second)
+            await trio.sleep(1.0)
             if self.held and self._take():
                 self._say_held()
 

@@ -606,7 +606,7 @@ async def _run_agent(
         argv, cwd, env = _agent_argv(opts, bwrap, daemon, use_pty, mnt, lane_args, *fds)
         async with trio.open_nursery() as nursery:
             if use_pty:
-                master, slave = os.openpty()
+                master, slave = _openpty(opts.user)
                 _copy_winsize(0, slave)
                 try:
                     proc = await spawner.popen(argv, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env,
@@ -618,8 +618,8 @@ async def _run_agent(
                                    _Lines(opts.agent, daemon))
                 nursery.start_soon(_forward_stdin, master)
             else:
-                stdout, out_w = _pipe(streams)
-                stderr, err_w = _pipe(streams)
+                stdout, out_w = _pipe(streams, opts.user)
+                stderr, err_w = _pipe(streams, opts.user)
                 try:
                     proc = await spawner.popen(argv, stdin=None if not opts.ci else subprocess.DEVNULL,
                                                stdout=out_w, stderr=err_w, cwd=cwd, env=env, pass_fds=fds)
@@ -676,9 +676,26 @@ def _start_watchers(watchers: trio.Nursery, session: Session, tree: ProcessTree,
             watchers.start_soon(outcome.binder.watch_removals, removals[0], tree)
 
 
-def _pipe(streams: contextlib.ExitStack) -> tuple[trio.lowlevel.FdStream, int]:
-    """A pipe from a child: our end as a stream (closed with *streams*), the child's end as an fd."""
+def _give(fd: int, user: str | None) -> None:
+    """The agent's end of its output, owned by the agent's *user* (when another): so that it may
+    open it again by name, as /dev/stdout (an agent may log there, as its table entry says)."""
+    if user is not None:
+        pw = pwd.getpwnam(user)
+        os.fchown(fd, pw.pw_uid, pw.pw_gid)
+
+
+def _openpty(user: str | None) -> tuple[int, int]:
+    """A pty for the agent: (master, slave), the slave owned by *user* (see :func:`_give`)."""
+    master, slave = os.openpty()
+    _give(slave, user)
+    return master, slave
+
+
+def _pipe(streams: contextlib.ExitStack, user: str | None = None) -> tuple[trio.lowlevel.FdStream, int]:
+    """A pipe from a child: our end as a stream (closed with *streams*), the child's end as an fd
+    (owned by *user*, see :func:`_give`)."""
     ours, theirs = os.pipe()
+    _give(theirs, user)
     stream = trio.lowlevel.FdStream(ours)
     streams.callback(stream.close)
     return stream, theirs
