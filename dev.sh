@@ -91,7 +91,8 @@ ci() {
     fetch_log=$(mktemp)
     "$VENV/bin/python" -c 'from tests.helpers import fetch_pinned_clis; fetch_pinned_clis()' > "$fetch_log" 2>&1 &
     local fetch=$!
-    trap 'kill "$fetch" 2>/dev/null || true' EXIT  # ruff or mypy failed: stop waiting for it
+    # ruff, mypy or a pass failed: stop waiting for it (the value now: the local is gone when the trap runs)
+    trap "kill $fetch 2>/dev/null || true" EXIT
     "$VENV/bin/ruff" check guardfs sandbox tests bench
     "$VENV/bin/mypy" --strict
     # The suite mostly waits (real agent CLIs with quiet gaps of minutes, an image build, guard

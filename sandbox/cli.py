@@ -347,13 +347,14 @@ def _cmd_mount(args: argparse.Namespace) -> int:
     check_directory("BACKING", args.backing)
     # serve() checks these again; here before a run directory is made
     check_mountpoint(args.mountpoint)
-    check_fuse_available()
     run_dir = Path(args.run_dir).resolve() if args.run_dir else None
-    made = run_dir is not None and not os.path.lexists(run_dir)
     if run_dir is not None:
         from sandbox.breaker.daemon import check_socket_room
 
         check_socket_room(run_dir)
+    check_fuse_available()
+    made = run_dir is not None and not os.path.lexists(run_dir)
+    if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
     from guardfs.events import EventLog
 

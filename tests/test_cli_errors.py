@@ -161,6 +161,7 @@ def short_tmp() -> Iterator[Path]:
         yield Path(made)
 
 
+@pytest.mark.mount  # the refusal comes after the check that FUSE is there
 def test_a_refused_start_leaves_no_run_directory(tmp_path: Path, short_tmp: Path) -> None:
     ws, manifest = _tracked_secret(tmp_path)
     given, state = tmp_path / "given-run", short_tmp  # the default run directory's sockets must fit
