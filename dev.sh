@@ -8,7 +8,7 @@
 # python3-venv when they are absent (as root through apt-get; otherwise it says what to
 # install), and a virtualenv in .venv with guardfs and its test and bench extras. For the
 # tests also chromium, podman, runc and mmdebstrap (while the virtualenv is made), and the
-# pinned agent CLIs from npm into .cache/ (while ruff, mypy and the no-FUSE pass run).
+# pinned agent CLIs from npm and PyPI into .cache/ (while ruff, mypy and the no-FUSE pass run).
 set -euo pipefail
 
 cd "$(dirname "$0")"
@@ -84,14 +84,15 @@ setup() {  # [--test]
 }
 
 ci() {
-    # The agent CLIs the tests run come from the npm registry (Codex alone is ~400 MB): fetched
+    # The agent CLIs the tests run come from the npm registry and PyPI (Codex ~400 MB, aider ~700 MB): fetched
     # in the background while ruff, mypy and the no-FUSE pass run; a test that needs one before
-    # it is there waits for it (tests/helpers.py: npm_cli holds a lock per CLI).
+    # it is there waits for it (tests/helpers.py: npm_cli and pip_cli hold a lock per CLI).
     local fetch_log status=0
     fetch_log=$(mktemp)
     "$VENV/bin/python" -c 'from tests.helpers import fetch_pinned_clis; fetch_pinned_clis()' > "$fetch_log" 2>&1 &
     local fetch=$!
-    trap 'kill "$fetch" 2>/dev/null || true' EXIT  # ruff or mypy failed: stop waiting for it
+    # ruff, mypy or a pass failed: stop waiting for it (the value now: the local is gone when the trap runs)
+    trap "kill $fetch 2>/dev/null || true" EXIT
     "$VENV/bin/ruff" check guardfs sandbox tests bench
     "$VENV/bin/mypy" --strict
     # The suite mostly waits (real agent CLIs with quiet gaps of minutes, an image build, guard

@@ -21,8 +21,9 @@ from guardfs.gitguard import GitRole, git_role
 from guardfs.manifest import DEFAULT_MANIFEST, Manifest, is_outside_secret
 
 __all__ = [
-    "GENERATED_KEYS", "GENERATED_RULE", "GIT_CHECKED_RULE", "GIT_GUARDED_RULE", "GUARD_DIR", "PROTECTED_RULE",
-    "Classification", "PathPolicy", "Scope", "git_log_kind", "is_git_state", "pattern_applies", "read_gitignore",
+    "AGENT_FILES_RULE", "GENERATED_KEYS", "GENERATED_RULE", "GIT_CHECKED_RULE", "GIT_GUARDED_RULE", "GUARD_DIR",
+    "PROTECTED_RULE", "Classification", "PathPolicy", "Scope", "git_log_kind", "is_git_state", "pattern_applies",
+    "read_gitignore",
 ]
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,10 @@ _GIT_STATE_RULE = "built-in: git's index and refs change only by renaming their 
 #: The manifest key of generated output; a refusal under it never trips the breaker.
 GENERATED_RULE = "paths.generated"
 _GITIGNORE_RULE = "paths.generated_from_gitignore"
-#: The manifest keys that make a path generated output: a refusal under one never trips.
-GENERATED_KEYS = frozenset({GENERATED_RULE, _GITIGNORE_RULE})
+#: The rule of the agent's own files and caches (sandbox.agents.registry: own_files, own_caches).
+AGENT_FILES_RULE = "built-in: the agent's own files"
+#: The keys that make a path generated output: a refusal under one never trips.
+GENERATED_KEYS = frozenset({GENERATED_RULE, _GITIGNORE_RULE, AGENT_FILES_RULE})
 #: The manifest key of paths readable but never writable.
 PROTECTED_RULE = "paths.protected"
 _MANIFEST_RULE = f"built-in: a manifest ({DEFAULT_MANIFEST}, in any directory) is read-only"
@@ -222,12 +225,15 @@ class PathPolicy:
     creates may configure itself, one that was there may not). It defaults to the safe
     answer, read-only; whoever builds a guarded run looks and says (see sandbox.session).
     *gitignore* holds the repository's .gitignore patterns (:func:`read_gitignore`), read
-    when ``paths.generated_from_gitignore`` is on.
+    when ``paths.generated_from_gitignore`` is on. *agent_files* and *agent_caches* are the
+    agent's own (patterns): generated output wherever they are, below the secrets and
+    ``paths.protected``; its files are kept in the workspace, its caches go to the scratch layer.
     """
 
     def __init__(
         self, manifest: Manifest, *, git_config_existed: bool = True, started_ns: int | None = None,
         hide_git: bool = False, git_state_locked: bool = False, gitignore: Sequence[str] = (),
+        agent_files: Sequence[str] = (), agent_caches: Sequence[str] = (),
     ) -> None:
         self.manifest = manifest
         self.git_config_existed = git_config_existed
@@ -252,6 +258,8 @@ class PathPolicy:
         #: The .gitignore patterns treated as generated (paths.generated_from_gitignore).
         self.gitignore = list(gitignore) if paths.generated_from_gitignore else []
         self._gitignored = pathspec.GitIgnoreSpec.from_lines(self.gitignore)
+        own = ((agent_files, Scope.GENERATED), (agent_caches, Scope.GENERATED_OUTSIDE))
+        self._agent_own = [(pathspec.GitIgnoreSpec.from_lines(p), list(p), scope) for p, scope in own if p]
         # Memo of classify: a verdict depends only on the path, whether it is a directory and
         # what is fixed above, and matching every pattern set costs ~10 µs a path, paid again
         # each time the kernel forgets an inode and meets its name anew.
@@ -300,6 +308,8 @@ class PathPolicy:
                 # Inside a nested repository's git directory: git's own bookkeeping (its
                 # index, objects, refs), never the agent's rewrites; names with a role below.
                 base = Classification(Scope.GIT_INTERNAL, _NESTED_INTERNAL_RULE)
+            elif (own := self._agent_own_rule(probe)) is not None:
+                base = own  # the agent's bookkeeping, wherever the task's scope is
             elif (generated := self._generated_rule(probe)) is not None:
                 key, pattern = generated
                 # Python bytecode goes to scratch even in scope: Python runs a .pyc instead of
@@ -365,6 +375,13 @@ class PathPolicy:
         probe = path + "/" if is_dir else path
         return [(*rules.entries[i], tree) for rules in (*self._secrets, self._protected, self._allowed)
                 for i in rules.reaches(probe, tree)]
+
+    def _agent_own_rule(self, probe: str) -> Classification | None:
+        """The agent's own file or cache that *probe* is, if any."""
+        for spec, patterns, scope in self._agent_own:
+            if (hit := spec.check_file(probe)).include and hit.index is not None:
+                return Classification(scope, AGENT_FILES_RULE, patterns[hit.index])
+        return None
 
     def _generated_rule(self, probe: str) -> tuple[str, str] | None:
         """The manifest key and pattern that make *probe* generated output, if any."""

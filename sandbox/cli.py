@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from guardfs.errors import CantCreateError, GuardError, MountError, UnavailableError, UsageError
 from sandbox.agents.fasthook import VERSION, GuardClientError
-from sandbox.agents.registry import AGENTS, FORMATS, detect
+from sandbox.agents.registry import AGENTS, FORMATS, HOOKED, detect
 from sandbox.exitcodes import Exit
 
 if TYPE_CHECKING:
@@ -194,7 +194,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Read the agent's hook JSON on stdin, ask the guard (GUARD_SOCKET), and answer in the "
                     "agent's convention: exit 2 with the reason on stderr blocks the tool.",
     )
-    hook.add_argument("agent", choices=list(AGENTS), help="whose hook format")
+    hook.add_argument("agent", choices=list(HOOKED), help="whose hook format")
 
     report = sub.add_parser(
         "report",
@@ -347,13 +347,14 @@ def _cmd_mount(args: argparse.Namespace) -> int:
     check_directory("BACKING", args.backing)
     # serve() checks these again; here before a run directory is made
     check_mountpoint(args.mountpoint)
-    check_fuse_available()
     run_dir = Path(args.run_dir).resolve() if args.run_dir else None
-    made = run_dir is not None and not os.path.lexists(run_dir)
     if run_dir is not None:
         from sandbox.breaker.daemon import check_socket_room
 
         check_socket_room(run_dir)
+    check_fuse_available()
+    made = run_dir is not None and not os.path.lexists(run_dir)
+    if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
     from guardfs.events import EventLog
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -57,7 +57,8 @@ class Session:
     relative to it; default: the workspace itself, as in ``guard run``). *checkpoints* keeps
     pre-images in ``run_dir/checkpoint`` for rollback. *on_stop* runs once the reply to an
     operator's ``stop`` went out (``guard mount`` ends its mount there). *now* is the
-    breaker's clock.
+    breaker's clock. *agent_files* and *agent_caches*: the agent's own files in the workspace
+    (:class:`~guardfs.policy.PathPolicy`; from the agents' table, ``own_files`` and ``own_caches``).
 
     Call :meth:`prepare` before serving (it claims the run directory) and :meth:`close`
     after the mount is gone; or use the Session as a context manager.
@@ -77,6 +78,8 @@ class Session:
         xattrs: bool = False,
         now: Callable[[], float] = time.time,
         on_stop: Callable[[], None] | None = None,
+        agent_files: Sequence[str] = (),
+        agent_caches: Sequence[str] = (),
     ) -> None:
         if checkpoints and run_dir is None:
             raise ValueError("checkpoints are kept in the run directory: give run_dir")
@@ -85,7 +88,7 @@ class Session:
         self.run_dir = run_dir
         gitignore = read_gitignore(workspace) if manifest.paths.generated_from_gitignore else ()
         self.policy = PathPolicy(manifest, git_config_existed=git_config_exists(workspace), git_state_locked=True,
-                                 gitignore=gitignore)
+                                 gitignore=gitignore, agent_files=agent_files, agent_caches=agent_caches)
         #: What ``guard run`` says at start (the forbidden paths git tracks, under "warn"/"hide-git").
         self.notices: list[str] = []
         self.gitscope = self._git_scope(manifest, workspace)

@@ -8,6 +8,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -93,7 +94,7 @@ def require(tool: str) -> str:
     return path
 
 
-#: Where the pinned agent CLIs are installed from the npm registry, once per checkout.
+#: Where the pinned agent CLIs are installed (from the npm registry, or PyPI), once per checkout.
 CLI_CACHE = Path(__file__).resolve().parent.parent / ".cache"
 
 
@@ -121,25 +122,53 @@ def npm_cli(package: str, version: str, command: str, cache_name: str) -> Path:
     return binary
 
 
+def pip_cli(package: str, version: str, command: str, cache_name: str) -> Path:
+    """The agent CLI *package* at *version* (its *command*), installed from PyPI into a venv of its
+    own at ``.cache/<cache_name>-<version>`` on first use; skipped, with pip's words, where it cannot be."""
+    prefix = CLI_CACHE / f"{cache_name}-{version}"
+    binary = prefix / "bin" / command
+    CLI_CACHE.mkdir(exist_ok=True)
+    with open(CLI_CACHE / f"{cache_name}-{version}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not binary.exists():
+            # A venv left half-made by an interrupted install is made again, not patched.
+            shutil.rmtree(prefix, ignore_errors=True)
+            # The system's Python, not this venv's: the CLI's venv must not depend on ours.
+            base = getattr(sys, "_base_executable", sys.executable)
+            subprocess.run([base, "-m", "venv", str(prefix)], check=True, capture_output=True, timeout=300)
+            proc = subprocess.run(
+                [str(prefix / "bin/pip"), "install", "-q", "--disable-pip-version-check", f"{package}=={version}"],
+                capture_output=True, text=True, timeout=1800,
+            )
+            if proc.returncode != 0 or not binary.exists():
+                shutil.rmtree(prefix, ignore_errors=True)
+                pytest.skip(f"PyPI is unreachable or refused the install: {proc.stderr.strip()[-300:]}")
+    found = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=120)
+    assert version in found.stdout, found.stderr
+    return binary
+
+
 def fetch_pinned_clis() -> None:
     """Install every pinned agent CLI the tests run, at once (``./dev.sh test`` starts this in the
     background before ruff, mypy and the no-FUSE pass, so that the downloads overlap them); says
-    on stderr what could not be fetched (the tests then try again, and skip with npm's words)."""
-    import sys
+    on stderr what could not be fetched (the tests then try again, and skip with npm's or pip's words)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from .test_claude_code import CLAUDE_CLI
+    from .test_real_aider import AIDER_CLI
     from .test_real_codex import CODEX_CLI
     from .test_real_gemini import GEMINI_CLI
 
-    def fetch(cli: tuple[str, str, str, str]) -> None:
+    def fetch(cli: tuple[Callable[[str, str, str, str], Path], tuple[str, str, str, str]]) -> None:
+        install, args = cli
         try:
-            npm_cli(*cli)
+            install(*args)
         except pytest.skip.Exception as skipped:
-            print(f"fetching {cli[0]}@{cli[1]}: {skipped.msg}", file=sys.stderr)
+            print(f"fetching {args[0]}@{args[1]}: {skipped.msg}", file=sys.stderr)
 
-    with ThreadPoolExecutor(3) as pool:
-        list(pool.map(fetch, [CLAUDE_CLI, CODEX_CLI, GEMINI_CLI]))
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(fetch, [(npm_cli, CLAUDE_CLI), (npm_cli, CODEX_CLI), (npm_cli, GEMINI_CLI),
+                              (pip_cli, AIDER_CLI)]))
 
 
 def reports(log: Path) -> list[dict[str, Any]]:
@@ -150,3 +179,52 @@ def reports(log: Path) -> list[dict[str, Any]]:
 def run_events(run_dir: Path) -> list[dict[str, Any]]:
     """Every event of the run whose directory is *run_dir*."""
     return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+#: django-taggit, the third-party repository of a new user's first hour (tests/test_first_hour.py).
+TAGGIT_VERSION = "5.0.1"
+#: What its own test suite needs (its tox.ini: Django 4.2 and Django REST framework).
+TAGGIT_TEST_REQUIREMENTS = ("Django>=4.2,<5", "djangorestframework")
+
+
+def taggit_sources() -> tuple[Path, Path]:
+    """django-taggit's sdist and a wheelhouse of what its test suite needs, downloaded from PyPI
+    into ``.cache/taggit-<version>/`` on first use (later runs are offline); skipped, with pip's
+    words, where PyPI cannot be reached."""
+    import sys
+
+    cache = CLI_CACHE / f"taggit-{TAGGIT_VERSION}"
+    wheelhouse = cache / "wheelhouse"
+    CLI_CACHE.mkdir(exist_ok=True)
+    with open(CLI_CACHE / f"taggit-{TAGGIT_VERSION}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (cache / "complete").exists():
+            for args in (["--no-deps", "--no-binary", ":all:", f"django-taggit=={TAGGIT_VERSION}", "-d", str(cache)],
+                         ["--only-binary", ":all:", *TAGGIT_TEST_REQUIREMENTS, "-d", str(wheelhouse)]):
+                proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", *args],
+                                      capture_output=True, text=True, timeout=900)
+                if proc.returncode != 0:
+                    pytest.skip(f"PyPI is unreachable or refused the download: {proc.stderr.strip()[-300:]}")
+            (cache / "complete").touch()
+    return next(cache.glob("django*taggit-*.tar.gz")), wheelhouse
+
+
+def npm_tarballs(specs: list[str], cache_name: str) -> list[Path]:
+    """The npm packages *specs* (``name@version``) as tarballs in ``.cache/<cache_name>/``, packed
+    from the npm registry (or npm's own cache) on first use, for tests that install them the
+    way a user does (``npm install -g``); skipped, with npm's words, where they cannot be."""
+    folder = CLI_CACHE / cache_name
+    CLI_CACHE.mkdir(exist_ok=True)
+    with open(CLI_CACHE / f"{cache_name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "complete").exists():
+            if shutil.which("npm") is None:
+                pytest.skip(f"npm is not installed: cannot fetch {', '.join(specs)}")
+            folder.mkdir(parents=True, exist_ok=True)
+            proc = subprocess.run(["npm", "pack", "--json", "--pack-destination", str(folder), *specs],
+                                  capture_output=True, text=True, timeout=900)
+            if proc.returncode != 0:
+                pytest.skip(f"the npm registry is unreachable or refused the download: {proc.stderr.strip()[-300:]}")
+            names = [packed["filename"] for packed in json.loads(proc.stdout)]
+            (folder / "complete").write_text("\n".join(names) + "\n")
+    return [folder / name for name in (folder / "complete").read_text().split()]

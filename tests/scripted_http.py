@@ -1,5 +1,6 @@
 """What the scripted model servers share (tests/model_server.py for Claude Code,
-tests/openai_server.py for Codex, tests/gemini_server.py for Gemini): a script handed out
+tests/openai_server.py for Codex, tests/gemini_server.py for Gemini, tests/chat_server.py for
+aider): a script handed out
 one turn per main-loop request, a quiet request handler, and a loopback server on a thread."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Generic, Protocol, TypeVar
@@ -23,13 +24,19 @@ class _Turn(Protocol):
 T = TypeVar("T", bound=_Turn)
 
 
-class Script(Generic[T]):
-    """Scripted turns, the next one for each main-loop request (one that offers tools; *idle*
-    once the script is spent), *aux* for any other (the CLI's own helper requests)."""
+def _offers_tools(body: dict[str, Any]) -> bool:
+    return bool(body.get("tools"))
 
-    def __init__(self, script: list[T], idle: T, aux: T) -> None:
+
+class Script(Generic[T]):
+    """Scripted turns, the next one for each main-loop request (by default one that offers tools;
+    *idle* once the script is spent), *aux* for any other (the CLI's own helper requests)."""
+
+    def __init__(self, script: list[T], idle: T, aux: T,
+                 main: Callable[[dict[str, Any]], bool] = _offers_tools) -> None:
         self.script = script
         self.idle, self.aux = idle, aux
+        self.main = main
         self.requests: list[dict[str, Any]] = []  # main-loop request bodies
         self.lock = threading.Lock()
 
@@ -37,7 +44,7 @@ class Script(Generic[T]):
         """(the main-loop request's number from 1, or 0 for another request; its turn), after
         the turn's delay, slept outside the lock so that other requests are answered meanwhile."""
         with self.lock:
-            if body.get("tools"):
+            if self.main(body):
                 self.requests.append(body)
                 n = len(self.requests)
                 turn = self.script[n - 1] if n <= len(self.script) else self.idle

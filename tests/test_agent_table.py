@@ -23,7 +23,7 @@ from sandbox import cli
 from sandbox.agents import fasthook, hooks
 from sandbox.agents.events import JsonLinesParser
 from sandbox.agents.parsers import FORMATS, make_parser
-from sandbox.agents.registry import AGENTS, Launch, detect
+from sandbox.agents.registry import AGENTS, HOOKED, Launch, detect
 from sandbox.breaker import protocol
 
 from .helpers import FIX_TAX as MANIFEST
@@ -41,8 +41,8 @@ def _choices(argv: list[str], dest: str) -> list[str]:
 
 def test_the_cli_choices_are_the_table() -> None:
     assert _choices(["run"], "agent") == [*AGENTS, "generic"]
-    assert _choices(["hook"], "agent") == list(AGENTS)
-    assert _choices(["feed"], "format") == ["protocol", *(a.stream_format for a in AGENTS.values())]
+    assert _choices(["hook"], "agent") == [a.name for a in AGENTS.values() if a.hook is not None] == list(HOOKED)
+    assert _choices(["feed"], "format") == ["protocol", *(a.stream_format for a in AGENTS.values() if a.stream_format)]
 
 
 @pytest.mark.parametrize("name", sorted(AGENTS))
@@ -50,13 +50,18 @@ def test_each_agent_is_detected_parsed_and_launched_from_its_entry(name: str) ->
     agent = AGENTS[name]
     for command in agent.commands:
         assert detect([f"/usr/local/bin/{command}", "-p", "x"]) is agent
-    assert issubclass(agent.parser_class(), JsonLinesParser)
-    assert FORMATS[agent.stream_format] is agent.parser_class()
-    assert type(make_parser(agent.stream_format)) is agent.parser_class()
+    parser = agent.parser_class()
+    # An agent has both a format and its parser, or neither (aider: the mount alone judges it).
+    assert (parser is None) is (agent.stream_format is None) is (agent.parser is None)
+    if parser is not None and agent.stream_format is not None:
+        assert issubclass(parser, JsonLinesParser)
+        assert FORMATS[agent.stream_format] is parser
+        assert type(make_parser(agent.stream_format)) is parser
     argv, setup = hooks.launch(name, ["/bin/" + name, "-p", "task"])
     assert argv == ["/bin/" + name, *setup.args, "-p", "task"]
     hook = hooks.hook_command(name)
-    assert any(hook in text for text in [*setup.args, *(content for _, _, content in setup.files)])
+    named = any(hook in text for text in [*setup.args, *(content for _, _, content in setup.files)])
+    assert named is (agent.hook is not None)
     assert agent.mutating_tools <= fasthook.MUTATING_TOOLS
     assert not detect(["/bin/not-an-agent"]) and hooks.launch("generic", ["x", "y"]) == (["x", "y"], Launch())
 
@@ -80,9 +85,9 @@ def test_run_and_cli_name_no_agent() -> None:
     words: set[str] = set()  # never named, even in a help text
     exact: set[str] = set()  # never a string of their own ("edit" may be a word of a help text)
     for agent in AGENTS.values():
-        words |= {agent.name, agent.stream_format, *agent.commands}
+        words |= {agent.name, *agent.commands, *([agent.stream_format] if agent.stream_format else [])}
         words |= {var for var, _, _ in agent.launch("HOOK").files}
-        exact |= {*agent.mutating_tools, agent.hook.before, agent.hook.after}
+        exact |= {*agent.mutating_tools, *([agent.hook.before, agent.hook.after] if agent.hook else [])}
     for module in ("launch/run.py", "cli.py"):
         tree = ast.parse((ROOT / "sandbox" / module).read_text())
         strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
@@ -93,17 +98,17 @@ def test_run_and_cli_name_no_agent() -> None:
 # A fourth agent, in the table only: a copy of the source with this entry added to registry.py.
 _FOURTH = '''
 _TABLE += (Agent(
-    name="aider", commands=frozenset({"aider"}), stream_format="aider-json",
-    parser="sandbox.agents.claude:ClaudeStreamParser", mutating_tools=frozenset({"aider_write"}),
+    name="mentat", commands=frozenset({"mentat"}), stream_format="mentat-json",
+    parser="sandbox.agents.claude:ClaudeStreamParser", mutating_tools=frozenset({"mentat_write"}),
     hook=HookConvention("BeforeEdit", "AfterEdit", block_status=3),
-    launch=lambda hook: Launch(args=("--guard-hook", hook), files=(("AIDER_GUARD", "aider-guard.json", hook),)),
+    launch=lambda hook: Launch(args=("--guard-hook", hook), files=(("MENTAT_GUARD", "mentat-guard.json", hook),)),
 ),)
 '''
 
-FAKE_AIDER = """\
+FAKE_MENTAT = """\
     #!/usr/bin/env python3
     import json, os, sys
-    settings = os.environ.get("AIDER_GUARD")
+    settings = os.environ.get("MENTAT_GUARD")
     print(json.dumps({"argv": sys.argv[1:], "settings": open(settings).read() if settings else None}))
     message = {"id": "m1", "usage": {"input_tokens": 1000, "output_tokens": 234}, "content": []}
     print(json.dumps({"type": "assistant", "message": message}))
@@ -133,25 +138,25 @@ def _guard(env: dict[str, str], *args: str, cwd: Path | None = None) -> subproce
 
 def test_a_fourth_agent_is_one_table_entry_for_the_cli_and_the_hooks(fourth: dict[str, str], tmp_path: Path) -> None:
     where = _guard(fourth, "hook", "--help")
-    assert "aider" in where.stdout, where.stderr  # the copy, not this checkout, is what runs
-    event = json.dumps({"hook_event_name": "BeforeEdit", "tool_name": "aider_write", "cwd": str(tmp_path),
+    assert "mentat" in where.stdout, where.stderr  # the copy, not this checkout, is what runs
+    event = json.dumps({"hook_event_name": "BeforeEdit", "tool_name": "mentat_write", "cwd": str(tmp_path),
                         "tool_input": {"path": "a.py"}})
     env = {**fourth, "GUARD_SOCKET": str(tmp_path / "no-guard.sock")}
     helper = subprocess.run([sys.executable, "-c", "from sandbox.agents.hooks import compiled_helper as c; "
                              "print(c() or '')"], env=env, capture_output=True, text=True, timeout=300, check=True,
                             cwd=tmp_path)
     ways = {
-        "guard hook": [sys.executable, "-m", "sandbox", "hook", "aider"],
-        "fasthook": [sys.executable, "-S", "-E", str(Path(fourth["SRC"]) / "sandbox/agents/fasthook.py"), "aider"],
+        "guard hook": [sys.executable, "-m", "sandbox", "hook", "mentat"],
+        "fasthook": [sys.executable, "-S", "-E", str(Path(fourth["SRC"]) / "sandbox/agents/fasthook.py"), "mentat"],
     }
     if helper.stdout.strip():
-        ways["compiled"] = [helper.stdout.strip(), "aider"]
+        ways["compiled"] = [helper.stdout.strip(), "mentat"]
     for way, argv in ways.items():
         proc = subprocess.run(argv, input=event, capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
         # the new agent's own mutating tool, event name and blocking status, failing closed
         assert proc.returncode == 3, (way, proc.stderr)
-        assert "refusing aider_write: the guard cannot be reached" in proc.stderr, way
-    feed = _guard(fourth, "feed", "--format", "aider-json", "--socket", str(tmp_path / "no.sock"))
+        assert "refusing mentat_write: the guard cannot be reached" in proc.stderr, way
+    feed = _guard(fourth, "feed", "--format", "mentat-json", "--socket", str(tmp_path / "no.sock"))
     assert feed.returncode == 69 and "cannot reach the guard" in feed.stderr, feed.stderr
 
 
@@ -161,8 +166,8 @@ def test_a_fourth_agent_is_detected_launched_and_parsed_by_guard_run(fourth: dic
     ws = tmp_path / "ws"
     (ws / "src/checkout").mkdir(parents=True)
     (ws / "bin").mkdir()
-    fake = ws / "bin/aider"
-    fake.write_text(textwrap.dedent(FAKE_AIDER))
+    fake = ws / "bin/mentat"
+    fake.write_text(textwrap.dedent(FAKE_MENTAT))
     fake.chmod(0o755)
     manifest = tmp_path / "m.toml"
     manifest.write_text(MANIFEST)
@@ -172,7 +177,7 @@ def test_a_fourth_agent_is_detected_launched_and_parsed_by_guard_run(fourth: dic
     assert result.returncode == 0, result.stderr
     seen = json.loads((run_dir / "stdout.log").read_text().splitlines()[0])
     assert seen["argv"][0] == "--guard-hook" and seen["argv"][2:] == ["-p", "task"]
-    assert seen["argv"][1].endswith(" aider") and seen["settings"] == seen["argv"][1]
+    assert seen["argv"][1].endswith(" mentat") and seen["settings"] == seen["argv"][1]
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert ledger["tokens"]["total"] == 1234  # its output went through the parser its entry names
 

@@ -261,6 +261,13 @@ WRONG_STREAM_LINES = {
         '{"type":"tool_result","tool_id":{"a":1},"output":{"b":2},"error":"x"}',
         '{"type":"tool_use","tool_name":["a"],"parameters":5}',
     ],
+    "aider-analytics": [
+        '{"event":"message_send","properties":[1]}',
+        '{"event":"message_send","properties":{"prompt_tokens":"12","completion_tokens":-5}}',
+        '{"event":"message_send","properties":{"prompt_tokens":' + "9" * 5000 + "}}",
+        '{"event":["message_send"]}',
+        "[" * 50_000,
+    ],
 }
 
 

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,9 +153,18 @@ def _tracked_secret(tmp_path: Path) -> tuple[Path, Path]:
     return ws, manifest
 
 
-def test_a_refused_start_leaves_no_run_directory(tmp_path: Path) -> None:
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A directory with a short path (tmp_path's, plus a default run directory's name, can be
+    too deep for a unix socket), removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="gs-") as made:
+        yield Path(made)
+
+
+@pytest.mark.mount  # the refusal comes after the check that FUSE is there
+def test_a_refused_start_leaves_no_run_directory(tmp_path: Path, short_tmp: Path) -> None:
     ws, manifest = _tracked_secret(tmp_path)
-    given, state = tmp_path / "given-run", tmp_path / "state"
+    given, state = tmp_path / "given-run", short_tmp  # the default run directory's sockets must fit
     env = {**os.environ, "XDG_STATE_HOME": str(state)}
     for run_dir in (["--run-dir", str(given)], []):
         proc = subprocess.run([sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest), *run_dir,
@@ -221,3 +231,20 @@ def test_guard_run_inside_guard_run_names_the_cause(tmp_path: Path) -> None:
     assert log == ("inner 69 guard run: guard run cannot start here: this is the sandbox of a guard run (GUARD_SOCKET "
                    "is set), which has no /dev/fuse, so no guard can be started inside another. Start it outside the "
                    "sandbox, on the host; inside a run, guard exec -- CMD quarantines one tool command\n\n"), log
+
+
+def test_a_default_run_directory_leaves_room_for_its_control_socket(tmp_path: Path) -> None:
+    """guard init's task ids come from the goal (up to 36 characters), and homes are deep: a
+    default run directory's control socket was past a unix socket's 107 bytes, so a new user's
+    every run failed (70, "AF_UNIX path too long"; then refused as too deep). The id is cut."""
+    from sandbox.breaker.client import control_socket_path
+    from sandbox.breaker.daemon import SOCKET_PATH_MAX
+    from sandbox.launch.run import default_run_dir
+
+    base = Path("/home/a-long-user-name/.local/state/guardfs/runs")
+    run_dir = default_run_dir("add-tag-count-to-taggit-utils-with-a", base)
+    assert len(os.fsencode(control_socket_path(run_dir))) <= SOCKET_PATH_MAX
+    kept = run_dir.name.split("-", 2)[2].removesuffix(f"-{os.getpid()}")
+    assert run_dir.parent == base and len(kept) > 8 and "add-tag-count-to-taggit-utils-with-a".startswith(kept), run_dir
+    assert default_run_dir("fix-tax", base).name.endswith(f"-fix-tax-{os.getpid()}")  # short ids whole
+

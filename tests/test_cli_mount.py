@@ -310,6 +310,7 @@ def test_guard_mount_as_a_user(installation: str, mode: int, helper: str) -> Non
         shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.mark.mount  # the refusal comes after the check that FUSE is there
 def test_a_refused_mount_leaves_no_run_directory(tmp_path: Path) -> None:
     """git tracks a secret: refused (65) before the mount, and the run directory it made is gone."""
     backing, mnt, run_dir = tmp_path / "backing", tmp_path / "mnt", tmp_path / "runs/run"

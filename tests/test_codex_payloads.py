@@ -10,7 +10,7 @@ from sandbox.agents.events import Step, ToolDone, Totals
 from sandbox.agents.fasthook import decide
 from sandbox.agents.hooks import AGENT_STATE, agent_state
 from sandbox.agents.parsers import make_parser
-from sandbox.agents.registry import AGENTS
+from sandbox.agents.registry import AGENTS, Launch
 
 HERE = Path(__file__).resolve().parent / "fixtures"
 CWD = "/work/shop"
@@ -115,4 +115,4 @@ def test_codex_gets_a_state_directory_of_the_runs_own_with_copies_of_the_users_l
     (other / "config.toml").write_text("x = 1\n")
     again = agent_state(setup, tmp_path, {"HOME": str(tmp_path / "home"), "CODEX_HOME": str(other)})
     assert again is not None and sorted(p.name for p in again.iterdir()) == ["config.toml"]
-    assert agent_state(AGENTS["claude"].launch("hook"), stage, {}) is None
+    assert agent_state(Launch(), stage, {}) is None  # an agent that names no state gets none

@@ -520,7 +520,8 @@ def test_agent_as_a_non_root_user_under_a_root_guard(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "sandbox", "run", "--ci", "--user", "nobody", "--manifest", str(manifest),
          "--run-dir", str(run_dir), "--", "sh", "-c",
-         "id -u; echo '# by nobody' >> src/checkout/tax.py; touch /tmp/ok && echo tmp; echo x > README.md; cat .env"],
+         "id -u; echo '# by nobody' >> src/checkout/tax.py; touch /tmp/ok && echo tmp; echo again > /dev/stdout; "
+         "echo x > README.md; cat .env"],
         cwd=ws, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
     )
     log = (run_dir / "stdout.log").read_text()
@@ -529,6 +530,8 @@ def test_agent_as_a_non_root_user_under_a_root_guard(tmp_path: Path) -> None:
     assert (ws / "src/checkout/tax.py").stat().st_uid == 65534
     assert (ws / "README.md").read_text() == "readme\n"
     assert "tmp" in log.splitlines()
+    # Its output opened again by name (aider logs its analytics to /dev/stdout): its pipe is its own.
+    assert "again" in log.splitlines(), (log, (run_dir / "stderr.log").read_text())
     assert result.returncode == 75  # the forbidden read is terminal, and --ci stops the run
     bad = subprocess.run([sys.executable, "-m", "sandbox", "run", "--user", "no-such-user-x", "--manifest",
                           str(manifest), "--", "true"], cwd=ws, capture_output=True, text=True)

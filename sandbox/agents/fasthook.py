@@ -62,8 +62,8 @@ MAX_HOOK_INPUT = 4 << 20
 #: when the guard cannot be reached: fail closed).
 MUTATING_TOOLS: frozenset[str] = frozenset().union(*(agent.mutating_tools for agent in AGENTS.values()))
 #: The hook event names before and after a tool, in any agent's convention.
-_PRE = frozenset(agent.hook.before for agent in AGENTS.values())
-_POST = frozenset(agent.hook.after for agent in AGENTS.values())
+_PRE = frozenset(agent.hook.before for agent in AGENTS.values() if agent.hook is not None)
+_POST = frozenset(agent.hook.after for agent in AGENTS.values() if agent.hook is not None)
 #: The exit status that blocks a tool for an agent not in the table.
 BLOCK = 2
 _PATH_KEYS = ("file_path", "notebook_path", "path", "absolute_path")
@@ -98,7 +98,7 @@ class GuardUnreachable(GuardClientError):
 
 def _block(agent: str | None) -> int:
     known = AGENTS.get(agent or "")
-    return known.hook.block_status if known is not None else BLOCK
+    return known.hook.block_status if known is not None and known.hook is not None else BLOCK
 
 
 class JsonBoundsError(ValueError):

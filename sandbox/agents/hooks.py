@@ -27,7 +27,7 @@ from pathlib import Path
 
 from sandbox.agents import fasthook
 from sandbox.agents.fasthook import MUTATING_TOOLS, VERSION, run_hook
-from sandbox.agents.registry import AGENTS, Launch
+from sandbox.agents.registry import AGENTS, HOOKED, Launch
 
 __all__ = [
     "AGENT_STATE", "MUTATING_TOOLS", "agent_state", "compiled_helper", "helper_cache", "helper_defines",
@@ -52,12 +52,12 @@ def _c_strings(names: Iterable[str]) -> str:
 
 def helper_defines() -> list[str]:
     """The compiler's -D options that give ``guard_hook.c`` the protocol version and the agents' table."""
-    agents = AGENTS.values()
-    blocks = "".join(f"{{{json.dumps(a.name)},{a.hook.block_status}}}," for a in agents)
+    hooks = [a.hook for a in HOOKED.values() if a.hook is not None]
+    blocks = "".join(f"{{{json.dumps(a.name)},{h.block_status}}}," for a, h in zip(HOOKED.values(), hooks, strict=True))
     return [
         f"-DGUARD_PROTOCOL_VERSION={VERSION}",
         f"-DGUARD_MUTATING_TOOLS={_c_strings(MUTATING_TOOLS)}",
-        f"-DGUARD_BEFORE_EVENTS={_c_strings({a.hook.before for a in agents})}",
+        f"-DGUARD_BEFORE_EVENTS={_c_strings({h.before for h in hooks})}",
         f"-DGUARD_AGENT_BLOCK={blocks}",
     ]
 
@@ -105,7 +105,7 @@ def launch(agent: str, command: list[str], compiled: bool = True) -> tuple[list[
     known = AGENTS.get(agent)
     if known is None:
         return list(command), Launch()
-    setup = known.launch(hook_command(known.name, compiled))
+    setup = known.launch(hook_command(known.name, compiled) if known.hook is not None else "")
     return [command[0], *setup.args, *command[1:]], setup
 
 

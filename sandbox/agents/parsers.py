@@ -8,7 +8,10 @@ from sandbox.agents.registry import AGENTS
 
 __all__ = ["FORMATS", "make_parser"]
 
-FORMATS: dict[str, type[JsonLinesParser]] = {agent.stream_format: agent.parser_class() for agent in AGENTS.values()}
+FORMATS: dict[str, type[JsonLinesParser]] = {
+    agent.stream_format: cls for agent in AGENTS.values()
+    if agent.stream_format is not None and (cls := agent.parser_class()) is not None
+}
 
 
 def make_parser(fmt: str) -> JsonLinesParser:

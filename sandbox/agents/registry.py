@@ -4,8 +4,11 @@ Each :class:`Agent` holds everything agent-specific: the command names that are 
 what its command is given to call our hooks for one run (:class:`Launch`: arguments, or a
 settings file named by an environment variable — never the user's own config files), the
 format name and class of its machine-readable output's parser, the tools of its that write,
-and its hook convention (:class:`HookConvention`). ``guard run``, ``guard feed --format``,
-``guard hook``, the daemon's ``hook`` message and the compiled hook helper all read this table.
+its hook convention (:class:`HookConvention`), and the files it keeps in the workspace for
+itself. An agent with no hooks (aider) has None for its convention, one with no machine-readable
+output None for its format and parser: the mount alone judges what it does. ``guard run``,
+``guard feed --format``, ``guard hook``, the daemon's ``hook`` message and the compiled hook
+helper all read this table.
 
 Standard library only, like :mod:`sandbox.agents.fasthook`, which imports it (as a sibling
 module when run as ``python3 -S -E fasthook.py``): parser classes are named, not imported.
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     from sandbox.agents.events import JsonLinesParser
 
-__all__ = ["AGENTS", "FORMATS", "Agent", "HookConvention", "Launch", "State", "detect"]
+__all__ = ["AGENTS", "FORMATS", "HOOKED", "Agent", "HookConvention", "Launch", "State", "detect"]
 
 
 class HookConvention(NamedTuple):
@@ -65,14 +68,23 @@ class Agent(NamedTuple):
 
     name: str  #: as --agent, ``guard hook NAME`` and the ``hook`` message name it
     commands: frozenset[str]  #: command names (basename of argv[0]) that are this agent
-    stream_format: str  #: ``guard feed --format`` name of its machine-readable output
-    parser: str  #: ``module:Class`` of its output parser (imported on first use)
+    stream_format: str | None  #: ``guard feed --format`` name of its machine-readable output, if it has one
+    parser: str | None  #: ``module:Class`` of its output parser (imported on first use)
     mutating_tools: frozenset[str]  #: its tools that write (shells count, since they can)
-    hook: HookConvention
+    hook: HookConvention | None  #: None: it runs no hooks
     launch: Callable[[str], Launch]  #: given the shell command of our hook
+    #: Its own files in the workspace (gitignore-style patterns, anchored at the top level): its
+    #: bookkeeping, kept across runs, never counted, tripped on or rolled back. Never a file that
+    #: makes it run a program (a config, a pickled cache): the next run, unguarded, would.
+    own_files: tuple[str, ...] = ()
+    #: Its caches in the workspace: as uncounted, but written to the run's scratch layer and
+    #: dropped with it (what it reads back as code, such as pickles, never reaches the workspace).
+    own_caches: tuple[str, ...] = ()
 
-    def parser_class(self) -> type[JsonLinesParser]:
-        """The output parser's class."""
+    def parser_class(self) -> type[JsonLinesParser] | None:
+        """The output parser's class; None for an agent with no machine-readable output."""
+        if self.parser is None:
+            return None
         module, _, name = self.parser.partition(":")
         cls: type[JsonLinesParser] = getattr(importlib.import_module(module), name)
         return cls
@@ -119,6 +131,40 @@ def _gemini(hook: str) -> Launch:
                       "oauth_creds.json", "google_accounts.json", "settings.json", "installation_id", "GEMINI.md"))))
 
 
+#: aider's fallback git identity, for a user who has none (system scope: the user's own ~/.gitconfig,
+#: copied into the run's HOME, and the repository's config win over it; /etc/gitconfig is still read).
+_AIDER_GITCONFIG = """\
+# guard run: the identity aider commits with when the user's git config names none (aider writes
+# one into .git/config otherwise, which the guard refuses); aider credits itself in a trailer.
+[user]
+\tname = guard
+\temail = guard@guardfs.invalid
+[include]
+\tpath = /etc/gitconfig
+"""
+
+
+def _aider(hook: str) -> Launch:
+    del hook  # aider runs no hooks: the mount judges its edits, its shell commands and its commits
+    # --analytics-log /dev/stdout: its analytics events, JSON lines with each model call's tokens,
+    # on the stdout the guard parses (sandbox.agents.aider); they go nowhere else.
+    # --no-gitignore: aider would add ".aider*" to the repository's .gitignore (a change to the
+    # user's project, out of most tasks' scope); its files are the guard's to keep apart (own_files).
+    # --no-check-update: with --yes-always it would pip-install a newer aider into its own
+    # (read-only) installation; --no-show-release-notes: a fresh HOME is a first run each time.
+    # The user's own arguments come after these, so theirs win (--gitignore, --analytics ...).
+    # HOME: a directory of the run's own, with copies of aider's settings, the user's API keys
+    # files (~/.env, as aider reads it), git config (their identity) and analytics choice (else a
+    # fresh HOME asks again, and --yes-always would opt in); aider writes its caches there, never
+    # into the user's home.
+    return Launch(
+        args=("--no-gitignore", "--no-check-update", "--no-show-release-notes", "--analytics-log", "/dev/stdout"),
+        files=(("GIT_CONFIG_SYSTEM", "aider-gitconfig", _AIDER_GITCONFIG),),
+        state=State("HOME", "~", (".aider.conf.yml", ".aider.model.settings.yml", ".aider.model.metadata.json",
+                                  ".env", ".aider/oauth-keys.env", ".aider/analytics.json", ".gitconfig")),
+    )
+
+
 _TABLE = (
     Agent(
         name="claude", commands=frozenset({"claude"}), stream_format="claude-stream-json",
@@ -139,12 +185,25 @@ _TABLE = (
         mutating_tools=frozenset({"write_file", "replace", "run_shell_command", "edit"}),
         hook=HookConvention("BeforeTool", "AfterTool"), launch=_gemini,
     ),
+    Agent(
+        # No hooks: it edits files itself from the model's SEARCH/REPLACE blocks. Its output for
+        # humans rounds the tokens; its analytics log (to stdout, see _aider) has them whole.
+        name="aider", commands=frozenset({"aider"}), stream_format="aider-analytics",
+        parser="sandbox.agents.aider:AiderAnalyticsParser",
+        mutating_tools=frozenset(), hook=None, launch=_aider,
+        # Its histories (chat, input, and the LLM log its docs name) are kept across runs; its
+        # repository map's tags cache is a pickle store (diskcache): scratch, rebuilt each run.
+        own_files=("/.aider.chat.history.md", "/.aider.input.history", "/.aider.llm.history"),
+        own_caches=("/.aider.tags.cache.v*/",),
+    ),
 )
 
 #: The agents by name.
 AGENTS: dict[str, Agent] = {agent.name: agent for agent in _TABLE}
-#: The agents by their output's format name.
-FORMATS: dict[str, Agent] = {agent.stream_format: agent for agent in _TABLE}
+#: The agents by their output's format name (those that have one).
+FORMATS: dict[str, Agent] = {agent.stream_format: agent for agent in _TABLE if agent.stream_format is not None}
+#: The agents that run our hooks.
+HOOKED: dict[str, Agent] = {agent.name: agent for agent in _TABLE if agent.hook is not None}
 
 
 def detect(command: list[str]) -> Agent | None:

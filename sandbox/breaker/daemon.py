@@ -60,8 +60,8 @@ from sandbox.breaker.protocol import (
     parse_control,
 )
 
-__all__ = ["AGENT_SOCKET", "CONTROL_SOCKET", "MAX_BUFFERED", "MAX_CONNECTIONS", "Daemon", "RunDirBusy",
-           "check_socket_room"]
+__all__ = ["AGENT_SOCKET", "CONTROL_SOCKET", "MAX_BUFFERED", "MAX_CONNECTIONS", "SOCKET_PATH_MAX", "Daemon",
+           "RunDirBusy", "check_socket_room"]
 
 log = logging.getLogger(__name__)
 
@@ -93,17 +93,17 @@ class RunDirBusy(UsageError):
 
 
 #: The longest path a unix socket can be bound at (sun_path holds 108 bytes with its NUL).
-_SOCKET_PATH_MAX = 107
+SOCKET_PATH_MAX = 107
 
 
 def check_socket_room(run_dir: Path) -> None:
     """Raise a UsageError, before anything starts, when *run_dir* is too deep for the sockets
     the daemon binds in it (the kernel would refuse the bind with "AF_UNIX path too long")."""
     longest = max((run_dir / AGENT_SOCKET, run_dir / CONTROL_SOCKET), key=lambda p: len(os.fsencode(p)))
-    if len(os.fsencode(longest)) > _SOCKET_PATH_MAX:
+    if len(os.fsencode(longest)) > SOCKET_PATH_MAX:
         raise UsageError(
             f"the run directory {run_dir} is too deep for its sockets: {longest} has "
-            f"{len(os.fsencode(longest))} bytes, a unix socket's path at most {_SOCKET_PATH_MAX}; give a "
+            f"{len(os.fsencode(longest))} bytes, a unix socket's path at most {SOCKET_PATH_MAX}; give a "
             "shorter --run-dir (or a shorter XDG_STATE_HOME, where the default run directories are made)")
 
 

@@ -39,9 +39,10 @@ from guardfs.manifest import Manifest, outside_secrets
 from guardfs.mount import check_fuse_available, init_mount, keepalive, mount_options
 from sandbox.agents import Event, to_messages
 from sandbox.agents.hooks import AGENT_STATE, agent_state, compiled_helper, launch
-from sandbox.agents.registry import AGENTS
+from sandbox.agents.registry import AGENTS, HOOKED
 from sandbox.breaker import Breaker, Effect, Effects, State
-from sandbox.breaker.daemon import Daemon
+from sandbox.breaker.client import control_socket_path
+from sandbox.breaker.daemon import SOCKET_PATH_MAX, Daemon
 from sandbox.breaker.ledger import write_ledger
 from sandbox.exitcodes import Exit
 from sandbox.launch.console import LiveConsole
@@ -115,10 +116,13 @@ class _Outcome:
 
 
 def default_run_dir(task_id: str, base: Path | None = None) -> Path:
-    """A fresh directory under *base* (default: the user's state directory)."""
+    """A fresh directory under *base* (default: the user's state directory), the task's id in
+    its name cut so that the control socket's path in it still fits a unix socket (guard init's
+    ids from a goal are long, and so are homes: the bind failed as an internal error)."""
     base = base or user_runs()
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return base / f"{stamp}-{task_id}-{os.getpid()}"
+    stamp, pid = time.strftime("%Y%m%d-%H%M%S"), os.getpid()
+    room = SOCKET_PATH_MAX - len(os.fsencode(control_socket_path(base / f"{stamp}--{pid}")))
+    return base / f"{stamp}-{task_id[:max(room, 1)].rstrip('-.')}-{pid}"
 
 
 def _say(text: str) -> None:
@@ -154,7 +158,7 @@ def _run(opts: RunOptions, bwrap: str | None, started: list[bool]) -> int:
     # run's sandbox) it stays empty; in the sandbox /tmp is a tmpfs of its own, whatever
     # TMPDIR says; an agent of another user can traverse it (0711) to reach what is bound.
     # Unprivileged, without a namespace of our own: the run directory, as before.
-    if opts.agent in AGENTS and opts.user is None:
+    if opts.agent in HOOKED and opts.user is None:
         compiled_helper()  # built (once per machine) before the mount is up, not in its loop
     stage, private = _stage(opts)
     mnt = stage / "mnt"
@@ -172,7 +176,10 @@ def _run(opts: RunOptions, bwrap: str | None, started: list[bool]) -> int:
     with open(run_dir / "workspace", "w", opener=lambda p, f: os.open(p, f, 0o600)) as marker:
         marker.write(str(opts.workspace))  # for an offline guard rollback
     session = Session(opts.manifest, opts.workspace, events, run_dir=run_dir, agent_path=stage / "agent.sock",
-                      checkpoints=True, cache_timeout=opts.cache_timeout, xattrs=opts.xattrs)
+                      checkpoints=True, cache_timeout=opts.cache_timeout, xattrs=opts.xattrs,
+                      # the agent's own files in the workspace (the agents' table)
+                      agent_files=AGENTS[opts.agent].own_files if opts.agent in AGENTS else (),
+                      agent_caches=AGENTS[opts.agent].own_caches if opts.agent in AGENTS else ())
     for notice in session.notices:
         _say(notice)
     if outcome.binder is not None:
@@ -446,7 +453,7 @@ def _agent_argv(
         pw = pwd.getpwnam(opts.user)
         groups = set(os.getgrouplist(pw.pw_name, pw.pw_gid))
         other_runs = [d for d in other_runs if reachable_by(d, pw.pw_uid, groups)]
-    if opts.agent in AGENTS and opts.user is None and (helper := compiled_helper()) is not None:
+    if opts.agent in HOOKED and opts.user is None and (helper := compiled_helper()) is not None:
         # The hook helper lives in the user's cache (~/.cache), which the sandbox may cover (/root,
         # a home under /tmp): without this bind every hook call fails (127), which agents take as
         # "not blocked".
@@ -471,7 +478,9 @@ def _agent_argv(
     )
     if opts.user is not None:
         pw = pwd.getpwnam(opts.user)
-        env.update(HOME=pw.pw_dir, USER=pw.pw_name, LOGNAME=pw.pw_name)
+        # HOME is the user's, unless the agent's state of its own stands for it (aider's does).
+        moved = state is not None and setup.state is not None and setup.state.var == "HOME"
+        env.update(HOME=env["HOME"] if moved else pw.pw_dir, USER=pw.pw_name, LOGNAME=pw.pw_name)
         # bubblewrap then runs unprivileged, in a user namespace of its own.
         argv = ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups", *argv]
     if pty:
@@ -600,7 +609,7 @@ async def _run_agent(
         argv, cwd, env = _agent_argv(opts, bwrap, daemon, use_pty, mnt, lane_args, *fds)
         async with trio.open_nursery() as nursery:
             if use_pty:
-                master, slave = os.openpty()
+                master, slave = _openpty(opts.user)
                 _copy_winsize(0, slave)
                 try:
                     proc = await spawner.popen(argv, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env,
@@ -612,8 +621,8 @@ async def _run_agent(
                                    _Lines(opts.agent, daemon))
                 nursery.start_soon(_forward_stdin, master)
             else:
-                stdout, out_w = _pipe(streams)
-                stderr, err_w = _pipe(streams)
+                stdout, out_w = _pipe(streams, opts.user)
+                stderr, err_w = _pipe(streams, opts.user)
                 try:
                     proc = await spawner.popen(argv, stdin=None if not opts.ci else subprocess.DEVNULL,
                                                stdout=out_w, stderr=err_w, cwd=cwd, env=env, pass_fds=fds)
@@ -670,9 +679,26 @@ def _start_watchers(watchers: trio.Nursery, session: Session, tree: ProcessTree,
             watchers.start_soon(outcome.binder.watch_removals, removals[0], tree)
 
 
-def _pipe(streams: contextlib.ExitStack) -> tuple[trio.lowlevel.FdStream, int]:
-    """A pipe from a child: our end as a stream (closed with *streams*), the child's end as an fd."""
+def _give(fd: int, user: str | None) -> None:
+    """The agent's end of its output, owned by the agent's *user* (when another): so that it may
+    open it again by name, as /dev/stdout (an agent may log there, as its table entry says)."""
+    if user is not None:
+        pw = pwd.getpwnam(user)
+        os.fchown(fd, pw.pw_uid, pw.pw_gid)
+
+
+def _openpty(user: str | None) -> tuple[int, int]:
+    """A pty for the agent: (master, slave), the slave owned by *user* (see :func:`_give`)."""
+    master, slave = os.openpty()
+    _give(slave, user)
+    return master, slave
+
+
+def _pipe(streams: contextlib.ExitStack, user: str | None = None) -> tuple[trio.lowlevel.FdStream, int]:
+    """A pipe from a child: our end as a stream (closed with *streams*), the child's end as an fd
+    (owned by *user*, see :func:`_give`)."""
     ours, theirs = os.pipe()
+    _give(theirs, user)
     stream = trio.lowlevel.FdStream(ours)
     streams.callback(stream.close)
     return stream, theirs
@@ -682,7 +708,8 @@ class _Lines:
     """Splits the agent's stdout into lines for its output parser, which feeds the breaker."""
 
     def __init__(self, agent: str, daemon: Daemon) -> None:
-        self.parser = AGENTS[agent].parser_class()() if agent in AGENTS else None
+        cls = AGENTS[agent].parser_class() if agent in AGENTS else None
+        self.parser = cls() if cls is not None else None
         self.daemon = daemon
         self._buf = b""
 
