@@ -1,7 +1,8 @@
-"""Hostile agents against what landed with issue 20: the default manifest, the workspace found by
-walking up for ``.git``, the agent's installation revealed from a hidden home, ``guard init``.
-Each attack runs from inside a real ``guard run --ci`` (as root and, where the feature applies,
-as ``--user nobody``) and the host is checked afterwards.
+"""Hostile agents against what landed with issue 20: the default manifest (a later run's, planted),
+the agent's installation revealed from a hidden home, the guard's notices naming the agent's
+files, ``guard init`` in a repository the agent touched, oscillation's new history rules, the
+credential stores' masks. Each attack runs from inside a real ``guard run --ci`` (as root and,
+where the feature applies, as ``--user nobody``) and the host is checked afterwards.
 """
 
 from __future__ import annotations
@@ -113,9 +114,9 @@ def test_a_generated_tree_named_with_escapes_is_said_escaped(tmp_path: Path, use
     ''')
     assert seen == {"mkdir": None, "write": 1, "chmod": None}, (seen, proc.stderr)
     (tmp_path / "next").mkdir()
-    _, _, proc = hostile_run(tmp_path / "next", ws, user, '''
+    _, _, proc = hostile_run(tmp_path / "next", ws, user, f'''
         attempt("chmod", lambda: os.chmod("src/checkout/" + {FORGED!r} + "/node_modules/x", 0o4755))
-    '''.replace("{FORGED!r}", repr(FORGED)))
+    ''')
     assert "generated trees (written natively" in proc.stderr, proc.stderr  # said, so the test can fail
     assert "\x1b" not in proc.stderr and "\nguard: run summary (forged)" not in proc.stderr, proc.stderr
 
