@@ -221,7 +221,10 @@ def _signals_held() -> Iterator[list[int]]:
         yield received
     finally:
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            # Once a stop signal ended the serving, the process is on its way out: a later one
+            # (the test of a loaded machine: `timeout`'s second, to the group, sent after the
+            # unmount) must not kill its clean-up with the default action.
+            signal.signal(signum, signal.SIG_IGN if received else handler)
 
 
 async def _serve(
@@ -251,6 +254,7 @@ async def _stop_on_signal(scope: trio.CancelScope, held: list[int],
             return
         async for signum in signals:
             log.info("received %s: unmounting", signal.Signals(signum).name)
+            held.append(signum)  # said to _signals_held: the process is stopping
             scope.cancel()
             return
 
@@ -268,7 +272,8 @@ def serve(
 
     The mount is always removed before this returns, also when the loop fails or a signal
     comes at any moment (with *handle_signals*, from before the mount until after the
-    unmount, SIGINT, SIGTERM and SIGHUP only end the loop); *fs* is left open for its owner
+    unmount, SIGINT, SIGTERM and SIGHUP only end the loop, and once one did they stay ignored:
+    the caller is stopping); *fs* is left open for its owner
     (a :class:`~sandbox.session.Session`) to close. As root libfuse mounts; anyone else
     mounts through fusermount3 (:func:`init_mount`), which needs no access to /dev/fuse.
     *options* replaces :func:`mount_options` (tests use it to drop ``default_permissions``).

@@ -74,7 +74,7 @@ FAKE_AGENT = """\
 
 
 @pytest.mark.root
-@pytest.mark.parametrize("agent", ["claude", "codex", "gemini", "aider"])
+@pytest.mark.parametrize("agent", ["claude", "codex", "gemini", "aider", "mentat"])
 @pytest.mark.mount
 def test_guard_run_sets_up_each_agent_without_touching_its_config(tmp_path: Path, agent: str) -> None:
     ws = tmp_path / "ws"
@@ -106,7 +106,11 @@ def test_guard_run_sets_up_each_agent_without_touching_its_config(tmp_path: Path
         assert settings is not None
         assert seen["mode"] & 0o022 == 0, oct(seen["mode"])  # else Gemini skips it
         assert json.loads(settings)["hooks"]["BeforeTool"][0]["hooks"][0]["command"] == hook_command("gemini")
-    else:
+    elif agent == "aider":  # no hooks: its analytics on the stdout the guard parses, its own files kept apart
+        assert argv == ["--no-gitignore", "--no-check-update", "--no-show-release-notes", "--analytics-log",
+                        "/dev/stdout", "-p", "task"], argv
+        assert settings is None
+    else:  # an agent guard does not know: run as given
         assert argv == ["-p", "task"] and settings is None
 
 

@@ -223,7 +223,8 @@ def check_inputs_names_depth_descriptors(got: dict[str, dict[str, Any]], ws: Pat
     assert os.path.exists(os.fsencode(ws / "src/checkout") + b"/\xff")
     events_text = (run_dir / "events.jsonl").read_text()
     assert '"path":"src/checkout/\\\\xff"' in events_text
-    assert "| src/checkout/\\xff | 1 |" in (run_dir / "STATE.md").read_text()
+    # (A file only created holds no content yet: a mutated file, no rewrite — issue 20's size-only rule.)
+    assert "| src/checkout/\\xff | 0 |" in (run_dir / "STATE.md").read_text()
     # The 1,200-deep tree was renamed, no recursion on its depth.
     assert got["deep_rename"]["result"] == "renamed"
     assert (ws / "src/checkout/deep2/d").is_dir() and not (ws / "src/checkout/deep").exists()
