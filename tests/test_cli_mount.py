@@ -46,6 +46,10 @@ def guard_mount(tmp_path: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=True)
 
 
+def _unlisted_or_ended(mnt: Path, proc: subprocess.Popen[str]) -> bool:
+    return not listed(mnt) or proc.poll() is not None
+
+
 def _listed_or_ended(mnt: Path, proc: subprocess.Popen[str]) -> bool:
     return listed(mnt) > 0 or proc.poll() is not None
 
@@ -160,7 +164,7 @@ def test_sigterm_at_any_moment_unmounts(tmp_path: Path) -> None:
             wait_for(functools.partial(_listed_or_ended, mnt, proc), "the mount to be listed")
             os.kill(proc.pid, signal.SIGTERM)
             if attempt % 2:  # the group's signal late, after the unmount (a loaded machine's order)
-                wait_for(lambda: not listed(mnt) or proc.poll() is not None, "the unmount")
+                wait_for(functools.partial(_unlisted_or_ended, mnt, proc), "the unmount")
             with contextlib.suppress(ProcessLookupError):  # it may have exited already
                 os.killpg(proc.pid, signal.SIGTERM)
             _out, err = proc.communicate(timeout=20)
