@@ -119,11 +119,13 @@ def _mount_at(path: str) -> str | None:
 
 def check_mountpoint(mountpoint: str) -> None:
     """Raise UsageError unless a new mount can go at *mountpoint*: an existing directory that is
-    neither a dead FUSE mount nor a mount already (mounting over it would hide it, silently)."""
+    neither a dead FUSE mount nor a live one (a second guard mount would hide the first, silently).
+    Another kind of mount may be covered on purpose: the devcontainer's entrypoint puts the guarded
+    view over an empty read-only tmpfs, so that /workspace shows nothing if the guard ever stops."""
     check_directory("mountpoint", mountpoint)
     mounted = _mount_at(mountpoint)
-    if mounted is not None or os.path.ismount(mountpoint):
-        what = f" ({mounted})" if mounted else ""
+    if mounted is not None and mounted.startswith("fuse"):
+        what = f" ({mounted})"
         raise UsageError(
             f"mountpoint {mountpoint} is already a mount{what}; a second mount would hide it. Unmount it "
             f"first (fusermount3 -u {shlex.quote(mountpoint)}; for a guard mount: stop that guard), or "
