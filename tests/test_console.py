@@ -290,6 +290,8 @@ def test_the_console_says_each_denial_while_the_run_goes_on_in_ci_mode(tmp_path:
         proc.stderr.close()
     assert "finished" in (run_dir / "stdout.log").read_text()
     assert "denials: 1; trips: 1 (scope_spill on README.md at step 0)" in text
+    # A shell agent reports no steps: the summary says the token rules judged nothing, not "0 in 0 steps".
+    assert "tokens: no steps reported, so token_surge and token_velocity judged nothing" in text
 
 
 # --- one set of counts ------------------------------------------------------------------------
