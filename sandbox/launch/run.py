@@ -872,8 +872,8 @@ def _summary(opts: RunOptions, breaker: Breaker, accounting: WriteAccounting, ev
         f"  tokens: {snap['tokens']['total']} in {snap['steps']} steps" if snap["steps"] else
         # Said, not left to a silent 0: without steps the token rules had nothing to judge.
         "  tokens: no steps reported, so token_surge and token_velocity judged nothing (an agent's steps come "
-        "from its machine-readable output, its hooks, guard feed or the client library: see the README's block "
-        "for your agent, e.g. claude -p --output-format stream-json --verbose)",
+        "from its machine-readable output, its hooks, guard feed or the client library: the README's block for "
+        "your agent says which flag asks for its output)",
         f"  run directory: {opts.run_dir} (stdout.log, stderr.log, events.jsonl, ledger.json, STATE.md)",
         *(f"  output capped: {r.describe()}" for r in outcome.recorders if r.dropped),
     ]
