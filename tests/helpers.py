@@ -98,54 +98,63 @@ def require(tool: str) -> str:
 CLI_CACHE = Path(__file__).resolve().parent.parent / ".cache"
 
 
+def _pinned(cache_name: str, version: str, binary: Path, install: Callable[[], str | None]) -> Path:
+    """*binary* of a pinned CLI under ``.cache/``: installed by *install* on first use (it returns
+    None, or the installer's words when it failed: then the test is skipped with them), one install
+    at a time (pytest-xdist workers and ./dev.sh's early fetch may want it at once), its version checked."""
+    CLI_CACHE.mkdir(exist_ok=True)
+    with open(CLI_CACHE / f"{cache_name}-{version}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not binary.exists():
+            failed = install()
+            if failed is not None or not binary.exists():
+                pytest.skip(failed or f"the install left no {binary}")
+    found = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=120)
+    assert version in found.stdout, found.stderr
+    return binary
+
+
 def npm_cli(package: str, version: str, command: str, cache_name: str) -> Path:
     """The agent CLI *package* at *version* (its *command*), installed from the npm registry into
     ``.cache/<cache_name>-<version>`` on first use; skipped, with npm's words, where it cannot be."""
     prefix = CLI_CACHE / f"{cache_name}-{version}"
-    binary = prefix / "node_modules/.bin" / command
-    CLI_CACHE.mkdir(exist_ok=True)
-    # One install at a time per CLI: pytest-xdist workers (and ./dev.sh's early fetch) may want it at once.
-    with open(CLI_CACHE / f"{cache_name}-{version}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not binary.exists():
-            if shutil.which("npm") is None:
-                pytest.skip(f"npm is not installed: cannot fetch {package}")
-            prefix.mkdir(parents=True, exist_ok=True)
-            proc = subprocess.run(
-                ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(prefix), f"{package}@{version}"],
-                capture_output=True, text=True, timeout=900,
-            )
-            if proc.returncode != 0 or not binary.exists():
-                pytest.skip(f"the npm registry is unreachable or refused the install: {proc.stderr.strip()[-300:]}")
-    found = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
-    assert version in found.stdout, found.stderr
-    return binary
+
+    def install() -> str | None:
+        if shutil.which("npm") is None:
+            return f"npm is not installed: cannot fetch {package}"
+        prefix.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(
+            ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(prefix), f"{package}@{version}"],
+            capture_output=True, text=True, timeout=900,
+        )
+        if proc.returncode != 0:
+            return f"the npm registry is unreachable or refused the install: {proc.stderr.strip()[-300:]}"
+        return None
+
+    return _pinned(cache_name, version, prefix / "node_modules/.bin" / command, install)
 
 
 def pip_cli(package: str, version: str, command: str, cache_name: str) -> Path:
     """The agent CLI *package* at *version* (its *command*), installed from PyPI into a venv of its
     own at ``.cache/<cache_name>-<version>`` on first use; skipped, with pip's words, where it cannot be."""
     prefix = CLI_CACHE / f"{cache_name}-{version}"
-    binary = prefix / "bin" / command
-    CLI_CACHE.mkdir(exist_ok=True)
-    with open(CLI_CACHE / f"{cache_name}-{version}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not binary.exists():
-            # A venv left half-made by an interrupted install is made again, not patched.
+
+    def install() -> str | None:
+        # A venv left half-made by an interrupted install is made again, not patched.
+        shutil.rmtree(prefix, ignore_errors=True)
+        # The system's Python, not this venv's: the CLI's venv must not depend on ours.
+        base = getattr(sys, "_base_executable", sys.executable)
+        subprocess.run([base, "-m", "venv", str(prefix)], check=True, capture_output=True, timeout=300)
+        proc = subprocess.run(
+            [str(prefix / "bin/pip"), "install", "-q", "--disable-pip-version-check", f"{package}=={version}"],
+            capture_output=True, text=True, timeout=1800,
+        )
+        if proc.returncode != 0:
             shutil.rmtree(prefix, ignore_errors=True)
-            # The system's Python, not this venv's: the CLI's venv must not depend on ours.
-            base = getattr(sys, "_base_executable", sys.executable)
-            subprocess.run([base, "-m", "venv", str(prefix)], check=True, capture_output=True, timeout=300)
-            proc = subprocess.run(
-                [str(prefix / "bin/pip"), "install", "-q", "--disable-pip-version-check", f"{package}=={version}"],
-                capture_output=True, text=True, timeout=1800,
-            )
-            if proc.returncode != 0 or not binary.exists():
-                shutil.rmtree(prefix, ignore_errors=True)
-                pytest.skip(f"PyPI is unreachable or refused the install: {proc.stderr.strip()[-300:]}")
-    found = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=120)
-    assert version in found.stdout, found.stderr
-    return binary
+            return f"PyPI is unreachable or refused the install: {proc.stderr.strip()[-300:]}"
+        return None
+
+    return _pinned(cache_name, version, prefix / "bin" / command, install)
 
 
 def fetch_pinned_clis() -> None:
