@@ -125,6 +125,12 @@ class Backing:
         fd = self.open(path, os.O_PATH)
         return fd, f"/proc/self/fd/{fd}"
 
+    @staticmethod
+    def reopen(fd: int, flags: int) -> int:
+        """A new open file of the inode *fd* holds (an O_PATH fd), through its /proc/self/fd
+        link: it reaches that inode, named or not, and resolves no path of the workspace."""
+        return os.open(f"/proc/self/fd/{fd}", (flags & ~os.O_NOFOLLOW) | os.O_CLOEXEC)
+
     def forget_dirs(self) -> None:
         """Drop every cached directory fd (after a directory was renamed or removed)."""
         for fd in self._dirs.values():

@@ -23,7 +23,7 @@ import stat
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, NoReturn, ParamSpec, TypeVar
 
 import pyfuse3
 import trio
@@ -98,21 +98,40 @@ def _fuse_errors(fn: _Handler[P, R]) -> _Handler[P, R]:
     return wrapper
 
 
+#: The set-ID bits: never given to a non-directory through the mount (README, SECURITY.md).
+_SET_ID = stat.S_ISUID | stat.S_ISGID
+
+
+def _kept_high_bits(mode: int, is_dir: bool) -> int:
+    """The bits beyond the permission bits a node the guard makes may keep: set-group-ID on
+    a directory only (the group its new entries inherit, no privilege), sticky always, never
+    set-user-ID. POSIX leaves the effect of such bits in a creating call's mode unspecified."""
+    return mode & (stat.S_ISVTX | stat.S_ISGID) if is_dir else mode & stat.S_ISVTX
+
+
+def _creation_mode(mode: int, is_dir: bool) -> int:
+    """The mode the guard passes to the call that makes a node: no set-ID bit on a file (the
+    guard has CAP_FSETID: the backing filesystem would keep what a root agent asked for)."""
+    return stat.S_IFMT(mode) | (mode & 0o777) | _kept_high_bits(mode, is_dir)
+
+
 def _apply_mode(created: int, wanted: int, chmod: Callable[[int], None]) -> None:
     """Give a node the guard just made the permission bits the kernel passed (the caller's
-    umask already applied), which the guard's own umask may have narrowed."""
+    umask already applied), which the guard's own umask may have narrowed; of the bits
+    beyond them, only those :func:`_kept_high_bits` allows (a directory's inherited
+    set-group-ID stays)."""
     have = stat.S_IMODE(created)
-    mode = (have & ~0o777) | (wanted & 0o777)
+    mode = _kept_high_bits(have, stat.S_ISDIR(created)) | (wanted & 0o777)
     if mode != have:
         chmod(mode)
 
 
-def _settable_mode(wanted: int, is_dir: bool) -> int:
-    """The permission bits a chmod through the mount may set: never set-user-ID, and
-    set-group-ID on directories only (group inheritance). A root agent could otherwise leave
-    a set-user-ID root program in the workspace for the next local user to run."""
-    mode = stat.S_IMODE(wanted) & ~stat.S_ISUID
-    return mode if is_dir else mode & ~stat.S_ISGID
+def _added_set_id(wanted: int, st: os.stat_result) -> int:
+    """The set-ID bits a chmod to *wanted* would add to the node *st* (none of them may be
+    added: never set-user-ID, set-group-ID on a directory only). A bit the node has already
+    (a human's file) may stay, so that ``chmod u+x`` of it works."""
+    refused = _SET_ID if not stat.S_ISDIR(st.st_mode) else stat.S_ISUID
+    return wanted & refused & ~st.st_mode
 
 
 def _join(parent: str, name: str) -> str:
@@ -240,6 +259,8 @@ class GuardFS(pyfuse3.Operations):
             if d.fd >= 0:
                 os.close(d.fd)
         self._files.clear()
+        for entry in self.inodes:
+            self._unpin(entry)
         self._dirs.clear()
         self._listings.clear()
         if self.preimages is not None:
@@ -277,6 +298,8 @@ class GuardFS(pyfuse3.Operations):
         """Current attributes of *entry*, refusing a path that now names another inode."""
         for fd in entry.handles:
             return self._fstat(fd, entry.path)
+        if entry.nameless and entry.pin is not None:
+            return self._fstat(entry.pin, entry.path)
         st = self.backing.lstat(entry.path)
         if st.st_ino != entry.backing_ino:
             # The name is another file's now, replaced behind the kernel's cached dentry (as a
@@ -308,6 +331,42 @@ class GuardFS(pyfuse3.Operations):
         if self._scratch is None:
             return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         return self._scratch.stat_at(dir_fd, name, path)
+
+    @staticmethod
+    def _held(entry: Entry) -> int | None:
+        """A descriptor the guard holds on *entry*'s inode once the mount took its last name
+        (its pin, or a file handle open on it): requests for it are served from that, not
+        from the path, which names another file now or none."""
+        if not entry.nameless:
+            return None
+        if entry.pin is not None:
+            return entry.pin
+        return next(iter(entry.handles), None)
+
+    def _keep_alive(self, st: os.stat_result, path: str) -> None:
+        """Pin the regular file *st* at *path* before the mount takes its last name (unlink,
+        rename over it) if the kernel still holds it: a path walk that found it before may
+        still send requests for it, which a local filesystem would serve from the unlinked
+        inode. Without a pin (descriptors short) such a request is answered ESTALE."""
+        if not stat.S_ISREG(st.st_mode) or self._fd_short:
+            return
+        entry = self.inodes.get(self.inodes.fuse_ino(st.st_ino))
+        if entry is None or entry.virtual or entry.pin is not None or entry.lookups <= 0:
+            return
+        if entry.path != path or entry.aliases:
+            return  # another name of it stays
+        fd = self.backing.open(path, os.O_PATH)
+        if self._fstat(fd, path).st_ino != entry.backing_ino:
+            os.close(fd)  # changed behind the mount meanwhile: nothing of ours to keep
+            return
+        entry.pin = fd
+
+    @staticmethod
+    def _unpin(entry: Entry | None) -> None:
+        """Close the pin of an entry the table dropped."""
+        if entry is not None and entry.pin is not None:
+            os.close(entry.pin)
+            entry.pin = None
 
     def _held_for_writing(self, st: os.stat_result) -> bool:
         """Whether the inode *st* is open for writing through the mount."""
@@ -462,7 +521,7 @@ class GuardFS(pyfuse3.Operations):
     async def forget(self, inode_list: Sequence[tuple[pyfuse3.InodeT, int]]) -> None:
         """Drop the kernel's references."""
         for ino, n in inode_list:
-            self.inodes.forget(ino, n)
+            self._unpin(self.inodes.forget(ino, n))
 
     @_fuse_errors
     async def getattr(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -471,6 +530,17 @@ class GuardFS(pyfuse3.Operations):
 
     def _entry_attr(self, entry: Entry) -> pyfuse3.EntryAttributes:
         return self.guard.attr(entry) if entry.virtual else self._attr(self._stat(entry), entry.ino)
+
+    def _refuse_set_id(self, request: Request, added: int) -> NoReturn:
+        """Refuse a chmod that would add set-ID bits (EPERM, an event, no trip): a root
+        agent could otherwise leave a set-user-ID root program in the workspace for the next
+        local user to run, and a silent drop would tell the caller it had one."""
+        bits = " and ".join(name for bit, name in ((stat.S_ISUID, "set-user-ID"), (stat.S_ISGID, "set-group-ID"))
+                            if added & bit)
+        self.gate.deny(request, Verdict(
+            False, "set-id", None, errno.EPERM,
+            f"{bits} cannot be set through the guard (set-group-ID only on a directory); "
+            "chmod without it, or set it outside the run"))
 
     @_fuse_errors
     async def setattr(
@@ -487,32 +557,47 @@ class GuardFS(pyfuse3.Operations):
         handle = self._files.get(fh) if fh is not None else None
         st = self._stat(entry)
         request = self.gate.ask(_setattr_op(fields), entry.path, self._where(entry.path, st, entry.is_dir))
-        await self._pre(entry.path)
-        self._do_setattr(entry.path, st, attr, fields, handle)
+        if fields.update_mode and (added := _added_set_id(attr.st_mode, st)):
+            self._refuse_set_id(request, added)
+        held = self._held(entry)
+        if held is None:
+            await self._pre(entry.path)
+        self._do_setattr(entry.path, st, attr, fields, handle, held)
         self.gate.done(request)
         return self._attr(self._stat(entry), inode)
 
     def _do_setattr(
         self, path: str, st: os.stat_result, attr: pyfuse3.EntryAttributes,
-        fields: pyfuse3.SetattrFields, handle: OpenFile | None,
+        fields: pyfuse3.SetattrFields, handle: OpenFile | None, held: int | None,
     ) -> None:
-        """Apply what setattr asks, field by field, to *path* (through *handle* if open)."""
+        """Apply what setattr asks, field by field, to *path* (through *handle* if open;
+        to the inode *held* holds, a regular file, once the mount took its last name)."""
         if fields.update_size:
             if handle is not None and handle.writable:
                 os.ftruncate(handle.fd, attr.st_size)
                 self.sessions.truncated(handle)
             else:
-                fd = self.backing.open(path, os.O_WRONLY)
+                fd = self.backing.open(path, os.O_WRONLY) if held is None else self.backing.reopen(held, os.O_WRONLY)
                 try:
                     os.ftruncate(fd, attr.st_size)
                 finally:
                     os.close(fd)
+        if held is not None:  # never a symlink: chown and utime through the link reach the file
+            proc = f"/proc/self/fd/{held}"
+            if fields.update_mode:
+                os.chmod(proc, stat.S_IMODE(attr.st_mode))
+            if fields.update_uid or fields.update_gid:
+                os.chown(proc, attr.st_uid if fields.update_uid else -1, attr.st_gid if fields.update_gid else -1)
+            if fields.update_atime or fields.update_mtime:
+                os.utime(proc, ns=(attr.st_atime_ns if fields.update_atime else st.st_atime_ns,
+                                   attr.st_mtime_ns if fields.update_mtime else st.st_mtime_ns))
+            return
         if fields.update_mode:
             if stat.S_ISLNK(st.st_mode):
                 raise FUSEError(errno.EOPNOTSUPP)
             fd, proc = self.backing.proc_path(path)
             try:
-                os.chmod(proc, _settable_mode(attr.st_mode, stat.S_ISDIR(st.st_mode)))
+                os.chmod(proc, stat.S_IMODE(attr.st_mode))
             finally:
                 os.close(fd)
         if path == "":
@@ -549,7 +634,7 @@ class GuardFS(pyfuse3.Operations):
         _, path = self._child(parent_inode, name)
         where = self._where(path, None, False)
         return await self._created(
-            "mknod", path, where, ctx, lambda d, n: os.mknod(n, mode, 0, dir_fd=d), mode
+            "mknod", path, where, ctx, lambda d, n: os.mknod(n, _creation_mode(mode, False), 0, dir_fd=d), mode
         )
 
     @_fuse_errors
@@ -560,7 +645,8 @@ class GuardFS(pyfuse3.Operations):
         """Create a directory (directories do not count toward the blast radius)."""
         _, path = self._child(parent_inode, name)
         where = self._where(path, None, True)
-        attr = await self._created("mkdir", path, where, ctx, lambda d, n: os.mkdir(n, mode, dir_fd=d), mode)
+        attr = await self._created(
+            "mkdir", path, where, ctx, lambda d, n: os.mkdir(n, _creation_mode(mode, True), dir_fd=d), mode)
         scratch = self._scratch
         if self.on_generated_dir is not None and (
                 path in scratch.roots if scratch is not None and scratch.in_scratch(path)
@@ -590,6 +676,8 @@ class GuardFS(pyfuse3.Operations):
         """Hard link: both names must be writable, so no file is linked into or out of scope."""
         entry = self._entry(inode)
         _, path = self._child(new_parent_inode, new_name)
+        if entry.nameless:
+            raise FUSEError(errno.ENOENT)  # as link(2) of an unlinked file: no name to link it by
         self.gate.refuse_guard_names("link", entry.path, path)
         where = self._where(entry.path, self._stat(entry), entry.is_dir)
         target_where = self._where(path, None, False)
@@ -623,6 +711,7 @@ class GuardFS(pyfuse3.Operations):
             where = self.policy.git_state_update(path)
         request = self.gate.ask("unlink", path, where)
         await self._pre(path)
+        self._keep_alive(st, path)
         dir_fd, n = self.backing.parent(path)
         os.unlink(n, dir_fd=dir_fd)
         if self._scratch is not None:
@@ -704,6 +793,8 @@ class GuardFS(pyfuse3.Operations):
                 return any(f.writable and f.entry.path in (src, dst) for f in self._files.values())
             check_git_update(self.gate, self.gitscope, request, (src, src_dir), (dst, dst_dir), exchange, held)
         await self._pre_move((src, src_st), (dst, dst_st))
+        if dst_st is not None and not exchange and dst_st.st_ino != src_st.st_ino:
+            self._keep_alive(dst_st, dst)
         old_dir, old_name = self.backing.parent(src)
         new_dir, new_name = self.backing.parent(dst)
         if flags:
@@ -745,7 +836,9 @@ class GuardFS(pyfuse3.Operations):
         if where.scope is Scope.GIT_CONFIG or (writable and where.scope is not Scope.ALLOWED):
             where = self._where(entry.path, self._stat(entry), entry.is_dir)
         truncating = bool(flags & os.O_TRUNC) and writable
-        counted = writable and where.scope.counted
+        # A file whose last name the mount took (a rename over it) is judged by the name it
+        # had; what is written to it reaches no name of the workspace: nothing to count.
+        counted = writable and where.scope.counted and not entry.nameless
         request = None
         if where.scope is Scope.FORBIDDEN or writable:
             # O_TRUNC changes the file at once: its blast radius is judged here, before that.
@@ -758,14 +851,11 @@ class GuardFS(pyfuse3.Operations):
         if counted:  # the pre-image, before O_TRUNC takes it
             session, times = self.sessions.start(entry.path, self._stat(entry))
             session.by_git = is_git_process(ctx.pid, self._git_ids)
-        if writable:
+        if writable and not entry.nameless:
             await self._pre(entry.path)
-        fd = self.sessions.open_fd(entry.path, flags & ~_STRIP_FLAGS, session)
+        fd = self._open_inode(entry, flags & ~_STRIP_FLAGS, session)
         if not writable:
             self._reserve_opened(fd)
-        if self._fstat(fd, entry.path).st_ino != entry.backing_ino:
-            os.close(fd)
-            raise FUSEError(errno.ESTALE)
         self._files[fd] = OpenFile(fd, entry, writable, session, truncating, truncating and counted, times)
         entry.handles.add(fd)
         if request is not None and request.new_files:
@@ -773,6 +863,34 @@ class GuardFS(pyfuse3.Operations):
         # A descriptor open for reading has nothing to flush: its close(2) need not wait for us.
         fh = fd if writable else fusereply.handle(fd, fusereply.NOFLUSH)
         return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fh), keep_cache=True)
+
+    def _open_inode(self, entry: Entry, flags: int, session: WriteSession | None) -> int:
+        """Open the inode *entry* is, never another file its path names now: from the
+        descriptor the guard holds once the mount took its last name, else by its path,
+        checked (ESTALE when the path names another inode: changed behind the mount, the
+        kernel looks it up again). O_TRUNC is applied once the descriptor is known to be
+        that inode, and opening for writing takes set-ID bits off, as a write does."""
+        writing = flags & os.O_ACCMODE != os.O_RDONLY
+        trunc = flags & os.O_TRUNC if writing else 0
+        held = self._held(entry)
+        if held is None:
+            fd = self.sessions.open_fd(entry.path, flags & ~trunc, session)
+        else:
+            if session is not None and flags & os.O_ACCMODE == os.O_WRONLY:
+                session.old = None  # it became nameless while the open waited: no read-back
+            fd = self.backing.reopen(held, flags & ~trunc)
+        try:
+            st = self._fstat(fd, entry.path)
+            if st.st_ino != entry.backing_ino:
+                raise FUSEError(errno.ESTALE)
+            if trunc:
+                os.ftruncate(fd, 0)
+            if writing and self._as_root and st.st_mode & _SET_ID:  # (the kernel does it for others)
+                os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~_SET_ID)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     @_fuse_errors
     async def create(
@@ -804,7 +922,7 @@ class GuardFS(pyfuse3.Operations):
         cflags = (flags & ~_STRIP_FLAGS) | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         if counted and cflags & os.O_ACCMODE == os.O_WRONLY:
             cflags = (cflags & ~os.O_ACCMODE) | os.O_RDWR  # a write session reads it back at flush
-        fd = os.open(n, cflags, mode, dir_fd=dir_fd)
+        fd = os.open(n, cflags, _creation_mode(mode, False), dir_fd=dir_fd)
         try:
             _apply_mode(os.fstat(fd).st_mode, mode, lambda m: os.fchmod(fd, m))
             if self._as_root and (ctx.uid, ctx.gid) != (0, 0):
@@ -856,7 +974,7 @@ class GuardFS(pyfuse3.Operations):
             pass  # release has no caller to tell; flush already reported the refusal
         finally:
             os.close(fh)
-            self.inodes.release_handle(f.entry, fh)
+            self._unpin(self.inodes.release_handle(f.entry, fh))
 
     @_fuse_errors
     async def fsync(self, fh: pyfuse3.FileHandleT, datasync: bool) -> None:

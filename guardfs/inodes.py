@@ -54,6 +54,12 @@ class Entry:
     # Its last name is gone (unlinked or replaced). The backing filesystem may then give its
     # inode number to a new file, which must not inherit this file's verdict.
     nameless: bool = False
+    # An O_PATH fd the guard holds on the backing inode from just before the mount took its
+    # last name while the kernel still held it (a regular file), so that the requests the
+    # kernel still sends for it (a path walk that found it before a rename over it) are
+    # served from it, as a local filesystem keeps an unlinked inode alive. None otherwise;
+    # closed by whoever drops the entry (the table does no I/O).
+    pin: int | None = None
 
     def rebase(self, old: str, new: str) -> None:
         """Names at or below *old* now live below *new* (a directory moved)."""
@@ -130,8 +136,9 @@ class InodeTable:
         if entry is None:
             entry = Entry(ino, st_ino, path, is_dir, where or self._judge(st_ino, path, is_dir))
             self._entries[ino] = entry
-        elif entry.nameless and not entry.handles:
+        elif entry.nameless and not entry.handles and entry.pin is None:
             # A new file under a reused inode number: a fresh entry, the kernel's count kept.
+            # (A pinned inode is alive: its number cannot have been given to another file.)
             entry.path, entry.is_dir, entry.nameless = path, is_dir, False
             entry.where = where or self.policy.classify(path, is_dir)
             entry.aliases.clear()
@@ -152,23 +159,27 @@ class InodeTable:
         self._entries[ino] = entry
         return entry
 
-    def forget(self, ino: int, n: int) -> None:
-        """The kernel dropped *n* references to *ino*."""
+    def forget(self, ino: int, n: int) -> Entry | None:
+        """The kernel dropped *n* references to *ino*; the entry if that dropped it (its pin
+        is the caller's to close)."""
         entry = self._entries.get(ino)
         if entry is None or ino == pyfuse3.ROOT_INODE or entry.virtual:
-            return
+            return None
         entry.lookups -= n
-        self._drop_if_unused(entry)
+        return self._drop_if_unused(entry)
 
-    def _drop_if_unused(self, entry: Entry) -> None:
+    def _drop_if_unused(self, entry: Entry) -> Entry | None:
         if entry.lookups <= 0 and not entry.handles:
             del self._entries[entry.ino]
+            return entry
+        return None
 
-    def release_handle(self, entry: Entry, fd: int) -> None:
-        """A file handle on *entry* was closed."""
+    def release_handle(self, entry: Entry, fd: int) -> Entry | None:
+        """A file handle on *entry* was closed; the entry if that dropped it."""
         entry.handles.discard(fd)
         if entry.ino in self._entries:
-            self._drop_if_unused(entry)
+            return self._drop_if_unused(entry)
+        return None
 
     def unlinked(self, entry: Entry, path: str) -> None:
         """The name *path* of *entry* is gone (unlinked, or replaced by a rename)."""
