@@ -112,7 +112,8 @@ def test_a_generated_tree_named_with_escapes_is_said_escaped(tmp_path: Path, use
         attempt("write", lambda: open("src/checkout/" + {FORGED!r} + "/node_modules/x", "w").write("x"))
         attempt("chmod", lambda: os.chmod("src/checkout/" + {FORGED!r} + "/node_modules/x", 0o4755))
     ''')
-    assert seen == {"mkdir": None, "write": 1, "chmod": None}, (seen, proc.stderr)
+    # Natively once the tree is bound (swept at the end), refused by the mount before that.
+    assert seen in ({"mkdir": None, "write": 1, "chmod": c} for c in (None, "EPERM")), (seen, proc.stderr)
     (tmp_path / "next").mkdir()
     _, _, proc = hostile_run(tmp_path / "next", ws, user, f'''
         attempt("chmod", lambda: os.chmod("src/checkout/" + {FORGED!r} + "/node_modules/x", 0o4755))

@@ -225,12 +225,15 @@ def test_read_only_profile_refuses_every_write(tmp_path: Path) -> None:
 
 def test_chmod_through_the_mount_never_sets_set_user_id(workspace: Guarded) -> None:
     """A setuid program the agent leaves in the workspace would run as its owner (root, for a
-    root agent) for the next local user: the mount drops S_ISUID, and S_ISGID off directories."""
+    root agent) for the next local user: a chmod adding S_ISUID, or S_ISGID to a file, is
+    refused (EPERM, nothing changed); S_ISGID on a directory is group inheritance and stays."""
     program = workspace.mnt / "src/checkout/tool"
     program.write_text("#!/bin/sh\n")
-    os.chmod(program, 0o6755)  # noqa: S103 - what a hostile agent asks for
+    os.chmod(program, 0o755)  # noqa: S103 - a program
+    refused(lambda: os.chmod(program, 0o6755), errno.EPERM)  # noqa: S103 - what a hostile agent asks for
     assert oct(os.stat(workspace.backing / "src/checkout/tool").st_mode & 0o7777) == oct(0o755)
     shared = workspace.mnt / "src/checkout/shared"
     shared.mkdir()
-    os.chmod(shared, 0o6775)  # noqa: S103 - what a hostile agent asks for
+    refused(lambda: os.chmod(shared, 0o6775), errno.EPERM)  # noqa: S103 - set-user-ID on a directory
+    os.chmod(shared, 0o2775)  # noqa: S103 - a shared directory
     assert oct(os.stat(workspace.backing / "src/checkout/shared").st_mode & 0o7777) == oct(0o2775)
