@@ -66,6 +66,19 @@ sys.exit(3)
 '''
 
 
+def _chain(top: Path, depth: int) -> None:
+    """*depth* directories in a chain below *top*, made by relative steps."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("a", dir_fd=fd)
+            down = os.open("a", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = down
+    finally:
+        os.close(fd)
+
+
 def _everything(root: Path) -> list[tuple[Path, os.stat_result]]:
     """Every entry below *root*, by lstat (nothing followed)."""
     out = []
@@ -204,7 +217,8 @@ def test_a_deep_tree_in_the_scratch_layer_leaves_nothing_and_fails_nothing(deep:
 
 #: A tree deeper than Python's stack, and longer than PATH_MAX, in a native generated tree, a
 #: set-user-ID program at its bottom: os.walk raised RecursionError after the run (a traceback,
-#: exit 70, the stage left), and a walk by path could not reach past PATH_MAX at all.
+#: exit 70, the stage left) and at the next run's start (its masks), and a walk by path could
+#: not reach past PATH_MAX at all.
 DEEP_NATIVE = r'''
 import shutil
 os.chdir("src/checkout/.venv")
@@ -241,3 +255,12 @@ def test_a_set_user_id_program_deep_in_a_native_tree_is_swept(deep: Path, user: 
     assert mode & 0o7777 == 0o755, oct(mode)
     assert [e for e in events if e["op"] == "chmod" and e["path"].endswith("/id")], events[-5:]
     assert "set-user-ID/set-group-ID removed" in proc.stderr
+    # Such a tree stays (generated output of the task): the next run's start walks it for masks.
+    # (Past PATH_MAX, guardfs.links's walk at start still fails: said in the lead's report.)
+    assert remove_tree(ws / "src/checkout/.venv/a") == []
+    _chain(ws / "src/checkout/.venv", 1300)
+    flags = ["--user", user] if user is not None else []
+    again = subprocess.run([sys.executable, "-m", "sandbox", "run", "--ci", *flags, "--manifest",
+                            str(tmp_path / "manifest.toml"), "--run-dir", str(tmp_path / "run2"), "--", "true"],
+                           cwd=ws, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr[-3000:]

@@ -57,7 +57,8 @@ class Recorder:
         self._ring = max_bytes - self._head
         # Written with pwrite, every chunk at once (no user-space buffer): a guard killed
         # mid-run loses nothing the agent printed before.
-        self._fd: int | None = os.open(log, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)  # the record: its owner only
+        # The record: its owner only; never written through a symlink someone put at its name.
+        self._fd: int | None = os.open(log, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         self._base = os.lseek(self._fd, 0, os.SEEK_END)  # a log of an earlier run here is kept before ours
         self._echo = echo
         self.bytes = 0
@@ -124,9 +125,9 @@ class Recorder:
             f"{self._head} and the last {self._ring} bytes (log_max_bytes = {self.max_bytes})]\n"
         ).encode()
         tmp = self.path.with_name(self.path.name + ".unroll")
-        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
-            src = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            src = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
             try:
                 at = _copy(src, out, 0, head_end, 0)
                 _pwrite_all(out, memoryview(marker), at)
