@@ -264,3 +264,31 @@ def test_a_set_user_id_program_deep_in_a_native_tree_is_swept(deep: Path, user: 
                             str(tmp_path / "manifest.toml"), "--run-dir", str(tmp_path / "run2"), "--", "true"],
                            cwd=ws, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
     assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr[-3000:]
+
+
+#: The agent's last words, which a failed run's digest prints to the CI log: workflow commands
+#: (``::stop-commands::`` silences every annotation after it, the guard's own included) and a
+#: terminal escape sequence.
+COMMANDS = r'''
+print("::stop-commands::tok", flush=True)
+print("  ::error file=README.md,line=1::forged error", flush=True)
+print("##[error]forged too", flush=True)
+print("\x1b]0;owned\x07 error in the title", flush=True)
+sys.exit(1)
+'''
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_the_agents_output_in_the_ci_digest_is_no_workflow_command(tmp_path: Path, user: str | None,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The digest of a failed run printed the agent's last lines as they were, and under GitHub
+    Actions a line starting with ``::`` is a command to the runner."""
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(tmp_path / "summary.md"))
+    ws = hostile_workspace(tmp_path)
+    _, _, proc = hostile_run(tmp_path, ws, user, COMMANDS)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "forged error" in proc.stdout and "owned" in proc.stdout, proc.stdout  # shown, as text
+    for line in proc.stdout.splitlines():
+        assert not line.lstrip().startswith(("::stop-commands", "::error file=README.md", "##[")), line
+    assert "\x1b" not in proc.stdout and "\x07" not in proc.stdout, proc.stdout

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from guardfs.events import printable
+
 __all__ = ["DIGEST_LIMIT", "LOG_MAX_BYTES", "Recorder", "digest"]
 
 DIGEST_LIMIT = 1200
@@ -241,7 +243,7 @@ def digest(status: str, logs: list[Path], limit: int = DIGEST_LIMIT, *, failed: 
     for where_log, number, raw in [*reversed(last), *reversed(failing)]:
         if (where_log, number) in picked:
             continue
-        line = raw if len(raw) <= 200 else raw[:197] + "..."
+        line = _shown(raw)
         if len(line) + 1 > budget:
             break
         picked[(where_log, number)] = line
@@ -251,6 +253,20 @@ def digest(status: str, logs: list[Path], limit: int = DIGEST_LIMIT, *, failed: 
     if len(text) > limit:  # only if the log paths alone are too long
         text = text[: limit - 3] + "..."
     return text
+
+
+#: What starts a workflow command of a CI runner (GitHub Actions' ``::cmd::``, Azure's and the
+#: older runner's ``##[cmd]``): a log line that does is the agent's text, never a command.
+_COMMANDS = ("::", "##[", "##vso[")
+
+
+def _shown(raw: str) -> str:
+    """A log line (the agent's bytes) as the digest prints it: at most 200 characters, control
+    characters escaped (no escape sequence reaches a terminal), and a line a CI runner would
+    take for a workflow command (``::stop-commands::``, which would silence the guard's own
+    annotations) marked as the agent's."""
+    line = printable(raw if len(raw) <= 200 else raw[:197] + "...")
+    return f"(agent) {line}" if line.lstrip().startswith(_COMMANDS) else line
 
 
 def console() -> BinaryIO | None:
