@@ -292,3 +292,36 @@ def test_the_agents_output_in_the_ci_digest_is_no_workflow_command(tmp_path: Pat
     for line in proc.stdout.splitlines():
         assert not line.lstrip().startswith(("::stop-commands", "::error file=README.md", "##[")), line
     assert "\x1b" not in proc.stdout and "\x07" not in proc.stdout, proc.stdout
+
+
+#: The guard with a defect injected where it copies guard exec's stage: what a defect that still
+#: escapes there does (no agent-made shape produces one any more, so it is injected).
+FAULTY_HARVEST = """
+import sys
+import sandbox.launch.run as run
+def harvest(*args, **kwargs):
+    raise RuntimeError("injected fault")
+run.harvest = harvest
+from sandbox.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_a_defect_after_the_agent_is_a_recorded_failure(tmp_path: Path, user: str | None) -> None:
+    """Before, an exception there was a traceback and exit 70 alone: no summary, no guard_failure
+    in the ledger or STATE.md. Now it is the guard's recorded failure, saying that it came after
+    the agent had ended, and with which status."""
+    ws = hostile_workspace(tmp_path)
+    _, _, proc = hostile_run(tmp_path, ws, user, 'open(os.environ["GUARD_RUN_DIR"] + "/exec/a.log", "w")\nsys.exit(3)',
+                             guard=("-c", FAULTY_HARVEST))
+    run = tmp_path / "run"
+    assert proc.returncode == 70, proc.stderr[-3000:]
+    assert "RuntimeError: injected fault" in (run / "guard-error.log").read_text()
+    assert "GUARD FAILED: internal error (RuntimeError); after the agent had ended with status 3" in proc.stderr
+    assert "run summary" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "after the agent had ended with status 3" in proc.stdout  # the --ci digest
+    failure = json.loads((run / "ledger.json").read_text())["guard_failure"]
+    assert failure["error"] == "RuntimeError" and failure["after_agent"] == "3", failure
+    state = (run / "STATE.md").read_text()
+    assert "after the agent had ended (status 3)" in state and "stopped the agent" not in state, state[:400]

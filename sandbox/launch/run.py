@@ -272,6 +272,8 @@ def _after_run(stage: Path, opts: RunOptions, outcome: _Outcome) -> None:
         if outcome.failure is None:
             outcome.failure = _record_failure(opts.run_dir, err, after=outcome.status)
         with contextlib.suppress(Exception):
+            remove_tree(stage / AGENT_STATE)  # the user's login copies never stay, whatever failed
+        with contextlib.suppress(Exception):
             _drop_stage(stage, opts.run_dir)
 
 
