@@ -325,3 +325,43 @@ def test_a_defect_after_the_agent_is_a_recorded_failure(tmp_path: Path, user: st
     assert failure["error"] == "RuntimeError" and failure["after_agent"] == "3", failure
     state = (run / "STATE.md").read_text()
     assert "after the agent had ended (status 3)" in state and "stopped the agent" not in state, state[:400]
+
+
+#: What an agent leaves in the state directory of its own the guard gives it (Codex's CODEX_HOME,
+#: a copy of the user's login): a tree deeper than Python's stack, a link to /etc/shadow, a
+#: directory of mode 000. shutil.rmtree raised RecursionError when the run removed it.
+STATE_DIR = r'''
+import os
+home = os.environ["CODEX_HOME"]
+os.chdir(home)
+for _ in range(1300):
+    os.mkdir("a")
+    os.chdir("a")
+os.symlink("/etc/shadow", "shadow")
+os.chdir(home)
+os.chmod("a", 0)
+print("left", flush=True)
+raise SystemExit(3)
+'''
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_what_the_agent_leaves_in_its_state_directory_fails_nothing(deep: Path, user: str | None) -> None:
+    tmp_path = deep
+    ws = hostile_workspace(tmp_path)
+    (ws / "hostile.py").write_text(STATE_DIR)
+    agent = ws / "agent.sh"  # codex's flags come after the command's name: a script that ignores them
+    agent.write_text(f"#!/bin/sh\nexec /usr/bin/python3 {ws / 'hostile.py'}\n")
+    agent.chmod(0o755)
+    (tmp_path / "manifest.toml").write_text(FIX_TAX)
+    flags = []
+    if user is not None:
+        subprocess.run(["chown", "-R", "65534:65534", str(ws)], check=True)
+        flags = ["--user", user]
+    proc = subprocess.run([sys.executable, "-m", "sandbox", "run", "--ci", "--agent", "codex", *flags, "--manifest",
+                           str(tmp_path / "manifest.toml"), "--run-dir", str(tmp_path / "run"), "--", str(agent)],
+                          cwd=ws, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
+    assert "left" in (tmp_path / "run/stdout.log").read_text(), proc.stderr[-3000:]
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr and "GUARD FAILED" not in proc.stderr, \
+        proc.stderr[-3000:]
+    assert not (tmp_path / "run/agent-state").exists()
