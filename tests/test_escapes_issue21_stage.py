@@ -365,3 +365,23 @@ def test_what_the_agent_leaves_in_its_state_directory_fails_nothing(deep: Path, 
     assert proc.returncode == 3 and "Traceback" not in proc.stderr and "GUARD FAILED" not in proc.stderr, \
         proc.stderr[-3000:]
     assert not (tmp_path / "run/agent-state").exists()
+
+
+def test_logs_written_straight_into_the_run_directory_are_judged_the_same(tmp_path: Path) -> None:
+    """Without a stage of the guard's (an unprivileged guard's, or --no-isolation), the agent's
+    side writes RUN_DIR/exec itself: it is moved aside and copied back by the same rules."""
+    ws = hostile_workspace(tmp_path)
+    (tmp_path / "manifest.toml").write_text(CAPPED)
+    script = ('ex=$GUARD_RUN_DIR/exec; mkdir -p $ex; ln -s "$PWD/.env" $ex/env.out.log; mkfifo $ex/p.out.log; '
+              'truncate -s 2G $ex/big.out.log; echo kept > $ex/ok.out.log; exit 4')
+    proc = subprocess.run([sys.executable, "-m", "sandbox", "run", "--ci", "--no-isolation", "--manifest",
+                           str(tmp_path / "manifest.toml"), "--run-dir", str(tmp_path / "run"),
+                           "--", "sh", "-c", script],
+                          cwd=ws, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    exec_dir = tmp_path / "run/exec"
+    assert sorted(p.name for p in exec_dir.iterdir()) == ["big.out.log", "ok.out.log"]
+    assert (exec_dir / "ok.out.log").read_text() == "kept\n" and (exec_dir / "big.out.log").stat().st_blocks == 0
+    assert (exec_dir / "big.out.log").stat().st_size == CAP + 4096
+    assert not (tmp_path / "run/exec.left").exists()
+    assert "env.out.log: a symbolic link (not followed)" in proc.stderr and "p.out.log: a FIFO" in proc.stderr
