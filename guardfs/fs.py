@@ -356,8 +356,10 @@ class GuardFS(pyfuse3.Operations):
         if entry.path != path or entry.aliases:
             return  # another name of it stays
         fd = self.backing.open(path, os.O_PATH)
-        if self._fstat(fd, path).st_ino != entry.backing_ino:
-            os.close(fd)  # changed behind the mount meanwhile: nothing of ours to keep
+        # The agent decides how many such inodes the kernel holds (an O_PATH descriptor of its
+        # own costs the guard none): pins stop at the reserve, as opens for the agent do.
+        if fd >= self._fd_ceiling or self._fstat(fd, path).st_ino != entry.backing_ino:
+            os.close(fd)  # (or changed behind the mount meanwhile: nothing of ours to keep)
             return
         entry.pin = fd
 
