@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .helpers import FIX_TAX, breaker_daemon
+from .helpers import FIX_TAX, breaker_daemon, reports
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -290,3 +290,53 @@ def test_random_input_is_answered_alike(hooks: Hooks) -> None:
         hooks.both(stdin, agent)
 
     alike()
+
+
+# ----- inside a real guard run ----------------------------------------------------------------
+
+#: An agent named claude that runs the hook command guard run gave it (the compiled helper, as root)
+#: on hook events the helper settles and on ones it hands to the Python hook, inside the sandbox.
+FAKE_CLAUDE = r"""#!/usr/bin/python3
+import json, os, subprocess, sys
+hook = json.loads(sys.argv[sys.argv.index("--settings") + 1])["hooks"]["PreToolUse"][0]["hooks"][0]["command"]
+def event(tool, **tool_input):
+    return {"hook_event_name": "PreToolUse", "tool_name": tool, "cwd": os.getcwd(), "tool_input": tool_input}
+calls = {
+    "read": json.dumps(event("Read", file_path="src/checkout/tax.py")),
+    "nested read": json.dumps(event("Read", path="src/checkout/tax.py", x=[[]])).replace("[[]]", "[" * 70 + "]" * 70),
+    "pretty read": json.dumps(event("Read", file_path="src/checkout/b.py"), indent=2),
+    "raw newline read": json.dumps(event("Read", file_path="src/checkout/tax.py")).replace("tax.py", "tax\n.py"),
+    "write in scope": json.dumps(event("Write", file_path="src/checkout/tax.py", content="x = 1\n")),
+}
+out = {}
+for what, stdin in calls.items():
+    proc = subprocess.run(hook, shell=True, input=stdin.encode(), capture_output=True)
+    out[what] = [proc.returncode, proc.stderr.decode(errors="replace")]
+print(json.dumps({"hook": hook, "answers": out}), flush=True)
+"""
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_the_helper_hands_over_to_the_python_hook_inside_the_sandbox(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    (ws / "src/checkout").mkdir(parents=True)
+    (ws / "src/checkout/tax.py").write_text("def total(x):\n    return x\n")
+    (ws / "bin").mkdir()
+    fake = ws / "bin/claude"
+    fake.write_text(FAKE_CLAUDE)
+    fake.chmod(0o755)
+    (tmp_path / "m.toml").write_text(FIX_TAX)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(tmp_path / "m.toml"),
+                           "--run-dir", str(run_dir), "--", str(fake)], cwd=ws, capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = next(r for r in reports(run_dir / "stdout.log") if "answers" in r)
+    assert "guard-hook-" in seen["hook"]  # the compiled helper, not the Python hook
+    answers = seen["answers"]
+    assert answers["read"] == [0, ""] and answers["pretty read"] == [0, ""], answers
+    assert answers["write in scope"] == [0, ""], answers
+    # handed to the Python hook, which ran in the sandbox and refused them in its own words
+    assert answers["nested read"][0] == 2 and "nested 72 levels deep" in answers["nested read"][1], answers
+    assert answers["raw newline read"][0] == 2 and "Invalid control character" in answers["raw newline read"][1]
