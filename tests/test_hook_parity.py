@@ -184,8 +184,9 @@ BROKEN: dict[str, bytes] = {
 
 
 @contextmanager
-def fake_guard(sock: str, answer: bytes) -> Iterator[None]:
-    """A server on a real Unix socket that reads one request line and sends *answer*, then closes."""
+def fake_guard(sock: str, answer: bytes | None) -> Iterator[None]:
+    """A server on a real Unix socket that reads one request line and sends *answer*, then closes
+    (None: it says nothing until the client closes)."""
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(sock)
     server.listen(16)
@@ -200,7 +201,11 @@ def fake_guard(sock: str, answer: bytes) -> Iterator[None]:
                 buf = b""
                 while b"\n" not in buf and (data := conn.recv(1 << 20)):
                     buf += data
-                conn.sendall(answer)
+                if answer is not None:
+                    conn.sendall(answer)
+                else:  # silent: holds the connection until the client gives up
+                    while conn.recv(1 << 20):
+                        pass
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -239,6 +244,18 @@ def test_a_guard_that_answers_badly_is_answered_alike(helper: Path, broken: str)
     assert answers["after a tool"][0] == 0
     if not refused:
         assert "writes stay blocked" in answers["mutating"][1], answers
+
+
+def test_a_silent_guard_is_answered_alike_once_the_hooks_give_up(helper: Path) -> None:
+    base = Path(tempfile.mkdtemp(prefix="hp-"))
+    sock = str(base / "agent.sock")
+    try:
+        with fake_guard(sock, None):
+            hooks = Hooks(helper, base, (sock, sock))
+            code, err = hooks.both(_calls(base)[1][1])  # non-mutating: goes ahead, with the reason
+    finally:
+        shutil.rmtree(base)
+    assert code == 0 and err == f"guard hook: cannot reach the guard at {sock}: timed out\n"
 
 
 def test_no_guard_at_all_is_answered_alike(helper: Path, tmp_path: Path) -> None:
