@@ -372,8 +372,11 @@ def main() -> int:
     """``python3 -S -E fasthook.py AGENT`` (``AGENT --guard-unreachable WHY``: the compiled helper's hand-over)."""
     agent = sys.argv[1] if len(sys.argv) > 1 else "claude"
     unreachable = sys.argv[3] if len(sys.argv) > 3 and sys.argv[2] == "--guard-unreachable" else None
-    # bytes: any encoding is read, never fails
-    return run_hook(agent, sys.stdin.buffer.read(MAX_HOOK_INPUT + 1), unreachable)
+    try:  # bytes: any encoding is read; no stdin at all is no event (refused as the helper refuses it)
+        stdin = sys.stdin.buffer.read(MAX_HOOK_INPUT + 1) if sys.stdin is not None else b""
+    except OSError:
+        stdin = b""
+    return run_hook(agent, stdin, unreachable)
 
 
 if __name__ == "__main__":
