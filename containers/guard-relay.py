@@ -185,7 +185,12 @@ def main(argv: list[str]) -> int:
         print("usage: guard-relay UPSTREAM LISTEN GROUP", file=sys.stderr)
         return 64
     upstream, listen, group = argv
-    gid = grp.getgrnam(group).gr_gid
+    try:
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        print(f"guard-relay: no group named {group!r}: create it (the developers' group) or name another",
+              file=sys.stderr)
+        return 67  # EX_NOUSER
     if os.path.exists(listen):
         os.unlink(listen)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

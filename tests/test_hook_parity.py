@@ -357,3 +357,19 @@ def test_the_helper_hands_over_to_the_python_hook_inside_the_sandbox(tmp_path: P
     # handed to the Python hook, which ran in the sandbox and refused them in its own words
     assert answers["nested read"][0] == 2 and "nested 72 levels deep" in answers["nested read"][1], answers
     assert answers["raw newline read"][0] == 2 and "Invalid control character" in answers["raw newline read"][1]
+
+
+def test_the_helper_refuses_what_it_cannot_settle_when_python_cannot_start(helper: Path, tmp_path: Path) -> None:
+    from sandbox.agents.hooks import helper_defines
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc is not None  # the helper fixture built one
+    defines = [d if not d.startswith("-DGUARD_PYTHON=") else f'-DGUARD_PYTHON="{tmp_path}/no-python"'
+               for d in helper_defines()]
+    lone = tmp_path / "guard-hook"
+    subprocess.run([cc, "-O2", *defines, "-o", str(lone), str(ROOT / "sandbox/agents/guard_hook.c")], check=True,
+                   capture_output=True, timeout=120)
+    hooks = Hooks(lone, tmp_path, (str(tmp_path / "none.sock"),) * 2)
+    for what, stdin in _calls(tmp_path):
+        code, err = hooks.compiled(stdin)
+        assert code == 2 and "cannot be started here (No such file or directory)" in err, (what, code, err)

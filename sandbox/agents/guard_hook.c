@@ -82,8 +82,9 @@ static int python_hook(const char *unreachable) {
                         unreachable ? "--guard-unreachable" : NULL, (char *)unreachable, NULL};
         execv(GUARD_PYTHON, argv);
     }
-    fprintf(stderr, "guard: refusing the tool: the guard's Python hook %s cannot be started (%s); "
-            "reinstall guardfs or run guard run again\n", GUARD_PYTHON, strerror(errno));
+    fprintf(stderr, "guard: refusing the tool: the guard's Python hook (%s %s) cannot be started here (%s); "
+            "the sandbox must show the interpreter guard runs with: install guardfs where the agent can read it\n",
+            GUARD_PYTHON, GUARD_FASTHOOK, strerror(errno));
     return block_status(agent);
 }
 
