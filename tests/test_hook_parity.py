@@ -299,6 +299,7 @@ def stdins(draw: st.DrawFn, ws: str) -> bytes:
             return text[:at] + bytes([draw(st.integers(0, 255))]) + text[at + 1:]
 
 
+@pytest.mark.slow
 def test_random_input_is_answered_alike(hooks: Hooks) -> None:
     @settings(max_examples=150, derandomize=True, database=None, deadline=None,
               suppress_health_check=list(HealthCheck))
