@@ -336,7 +336,10 @@ print(json.dumps({"hook": hook, "answers": out}), flush=True)
 
 @pytest.mark.root
 @pytest.mark.mount
-def test_the_helper_hands_over_to_the_python_hook_inside_the_sandbox(tmp_path: Path) -> None:
+@pytest.mark.parametrize("user", [None, "nobody"])
+def test_the_hook_answers_inside_the_sandbox(tmp_path: Path, user: str | None, request: pytest.FixtureRequest) -> None:
+    """As root: the compiled helper, handing over to the Python hook in the sandbox. As another user:
+    the Python hook (the helper is in root's cache), run by an interpreter that user reaches."""
     ws = tmp_path / "ws"
     (ws / "src/checkout").mkdir(parents=True)
     (ws / "src/checkout/tax.py").write_text("def total(x):\n    return x\n")
@@ -346,12 +349,19 @@ def test_the_helper_hands_over_to_the_python_hook_inside_the_sandbox(tmp_path: P
     fake.chmod(0o755)
     (tmp_path / "m.toml").write_text(FIX_TAX)
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(tmp_path / "m.toml"),
-                           "--run-dir", str(run_dir), "--", str(fake)], cwd=ws, capture_output=True, text=True,
-                          timeout=300, stdin=subprocess.DEVNULL, check=False)
+    flags, env = [], dict(os.environ)
+    if user is not None:
+        subprocess.run(["chown", "-R", "65534:65534", str(ws)], check=True)
+        flags = ["--user", user]
+        env["PYTHONPATH"] = request.getfixturevalue("installation")  # a guard that user can read (CI's is in /root)
+    proc = subprocess.run([sys.executable, "-m", "sandbox", "run", "--ci", *flags, "--manifest",
+                           str(tmp_path / "m.toml"), "--run-dir", str(run_dir), "--", str(fake)], cwd=ws, env=env,
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     seen = next(r for r in reports(run_dir / "stdout.log") if "answers" in r)
-    assert "guard-hook-" in seen["hook"]  # the compiled helper, not the Python hook
+    assert ("guard-hook-" in seen["hook"]) == (user is None), seen["hook"]  # the compiled helper as root
+    if user is not None:
+        assert seen["hook"].startswith("/usr/bin/python3 -S -E ") and env["PYTHONPATH"] in seen["hook"], seen["hook"]
     answers = seen["answers"]
     assert answers["read"] == [0, ""] and answers["pretty read"] == [0, ""], answers
     assert answers["write in scope"] == [0, ""], answers

@@ -91,11 +91,17 @@ def compiled_helper() -> Path | None:
 
 
 def hook_command(agent: str, compiled: bool = True) -> str:
-    """The shell command an agent's settings name for our hook."""
+    """The shell command an agent's settings name for our hook. *compiled* False: for an agent of
+    another user (``guard run --user``), who cannot reach the helper in this user's cache, nor
+    perhaps this interpreter (a virtualenv under /root, hidden in the sandbox: every hook call
+    would fail with 127, which agents take as "not blocked"); it gets the Python hook run by the
+    system's python3, as the sandbox's entry step is (:func:`sandbox.launch.isolation.system_entry`):
+    the hook needs the standard library only."""
     helper = compiled_helper() if compiled else None
     if helper is not None:
         return f"{shlex.quote(str(helper))} {agent}"
-    return f"{shlex.quote(sys.executable)} -S -E {shlex.quote(fasthook.__file__)} {agent}"
+    python = sys.executable if compiled else shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+    return f"{shlex.quote(python)} -S -E {shlex.quote(fasthook.__file__)} {agent}"
 
 
 def launch(agent: str, command: list[str], compiled: bool = True) -> tuple[list[str], Launch]:
