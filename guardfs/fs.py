@@ -378,9 +378,11 @@ class GuardFS(pyfuse3.Operations):
             raise FUSEError(errno.ENOTSUP)
         changed = self.preimages.rollback(to=to)
         by_path = {e.path: e for e in self.inodes if not e.virtual}
+        # A name's parent is a directory: the inode of a symlink the rollback replaced is not.
+        dirs = {e.path: e for e in self.inodes if not e.virtual and e.is_dir}
         for path in changed:
             self._rolled_back(path)
-            parent = by_path.get(path.rpartition("/")[0])
+            parent = dirs.get(path.rpartition("/")[0])
             name = pyfuse3.FileNameT(os.fsencode(path.rpartition("/")[2]))
             if parent is not None:
                 pyfuse3.invalidate_entry_async(pyfuse3.InodeT(parent.ino), name, ignore_enoent=True)
@@ -397,7 +399,7 @@ class GuardFS(pyfuse3.Operations):
             return
         try:
             st = self.backing.lstat(path)
-        except (FileNotFoundError, NotADirectoryError):
+        except OSError:  # gone, or beneath what is no directory now (a symlink the rollback put back)
             self.accounting.removed(path)
             return
         if stat.S_ISREG(st.st_mode):
