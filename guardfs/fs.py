@@ -378,11 +378,12 @@ class GuardFS(pyfuse3.Operations):
             raise FUSEError(errno.ENOTSUP)
         changed = self.preimages.rollback(to=to)
         by_path = {e.path: e for e in self.inodes if not e.virtual}
-        # A name's parent is a directory: the inode of a symlink the rollback replaced is not.
-        dirs = {e.path: e for e in self.inodes if not e.virtual and e.is_dir}
+        # Only a directory the kernel knows and still there: not the inode of a symlink or a
+        # removed directory the rollback replaced (its number may be a file's by now).
+        dirs = {e.path: e for e in self.inodes if not e.virtual and e.is_dir and not e.nameless}
         for path in changed:
             self._rolled_back(path)
-            parent = dirs.get(path.rpartition("/")[0])
+            parent = self._still_there(dirs.get(path.rpartition("/")[0]))
             name = pyfuse3.FileNameT(os.fsencode(path.rpartition("/")[2]))
             if parent is not None:
                 pyfuse3.invalidate_entry_async(pyfuse3.InodeT(parent.ino), name, ignore_enoent=True)
@@ -391,6 +392,16 @@ class GuardFS(pyfuse3.Operations):
                 invalidate_later(entry.ino)
         self.events.emit("rollback", "", "allow", paths=len(changed))
         return changed
+
+    def _still_there(self, entry: Entry | None) -> Entry | None:
+        """*entry*, if its path still names the same directory in the backing (after a rollback)."""
+        if entry is None:
+            return None
+        try:
+            st = self.backing.lstat(entry.path)
+        except OSError:
+            return None
+        return entry if stat.S_ISDIR(st.st_mode) and st.st_ino == entry.backing_ino else None
 
     def _rolled_back(self, path: str) -> None:
         """Tell the accounting what a rollback left at *path*, so that the content history
