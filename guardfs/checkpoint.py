@@ -2,8 +2,16 @@
 
 Before guardfs lets a path change for the first time after a restore point, it records how
 the path was: absent, a directory (its mode), a symlink (its target), or a file (its mode
-and a copy of its bytes). The index is a JSON-lines file appended and flushed as it goes,
-so it survives the guard being killed; ``guard rollback`` replays it in reverse.
+and a copy of its bytes), with its owner (and a file's inode). The index is a JSON-lines
+file appended and flushed as it goes, so it survives the guard being killed; ``guard
+rollback`` replays it in reverse.
+
+A rollback trusts nothing it finds in the workspace: it works from the root's descriptor
+only (openat2 one component at a time, never through a symlink or into another mount),
+replaces whatever stands at or above a restored path where the record says something else
+was, moves aside (into the run directory, by rename) what would lose bytes no record keeps,
+and names each path it still cannot put back (:class:`_Restorer`); it never raises for
+what the agent left.
 
 Restore points are generations: ``0000`` holds the pre-images of the run's start, each
 checkpoint (an operator's, or a passing test the agent reports) starts the next one, and
@@ -71,7 +79,7 @@ _BLOB_NAME = re.compile(r"[0-9]{8}")
 _KINDS = frozenset({"absent", "dir", "symlink", "fifo", "file", "unrestorable", "generated"})
 #: Whether a path (a directory when the flag says so) is generated output (paths.generated).
 Generated = Callable[[str, bool], bool]
-_FIELDS = frozenset({"path", "kind", "mode", "target", "size", "blob", "ino"})
+_FIELDS = frozenset({"path", "kind", "mode", "target", "size", "blob", "ino", "uid", "gid"})
 
 
 class CheckpointError(GuardError):
@@ -116,6 +124,8 @@ class _Record(TypedDict):
     size: NotRequired[int]  # unrestorable
     blob: NotRequired[str]  # file: its copy's name in the generation directory
     ino: NotRequired[int]  # its inode then: a rollback knows the file wherever the agent moved it
+    uid: NotRequired[int]  # its owner then: a guard running as root gives it back
+    gid: NotRequired[int]
 
 
 @dataclass
@@ -148,6 +158,7 @@ class _Copy:
     generation: int
     cost: int  # bytes of data counted against the cap
     ino: int  # the file's inode, recorded with it
+    owner: tuple[int, int]  # and its owner
     done: trio.Event | None = None  # None until a request starts the copy; set when it ended
     error: OSError | None = None
 
@@ -270,11 +281,13 @@ class PreImages:
             return
         # Never setuid, setgid or sticky: a rollback (maybe as root) must not make such a file.
         mode = stat.S_IMODE(st.st_mode) & 0o777
+        uid, gid = st.st_uid, st.st_gid
         if stat.S_ISDIR(st.st_mode):
-            self._write({"path": path, "kind": "dir", "mode": mode})
+            self._write({"path": path, "kind": "dir", "mode": mode, "uid": uid, "gid": gid})
         elif stat.S_ISLNK(st.st_mode):
             dir_fd, name = self.backing.parent(path)
-            self._write({"path": path, "kind": "symlink", "target": os.readlink(name, dir_fd=dir_fd)})
+            self._write({"path": path, "kind": "symlink", "target": os.readlink(name, dir_fd=dir_fd),
+                         "uid": uid, "gid": gid})
         elif stat.S_ISREG(st.st_mode):
             cost = min(st.st_size, st.st_blocks * 512)  # the data; a sparse file's holes are free
             if self.used + cost > self.max_bytes:
@@ -293,9 +306,9 @@ class PreImages:
             self.used += cost
             self._used_by[self.generation] = self._used_by.get(self.generation, 0) + cost
             blob = self._dir() / f"{self._blobs:08d}"
-            self._pending[path] = _Copy(path, mode, blob, self.generation, cost, st.st_ino)
+            self._pending[path] = _Copy(path, mode, blob, self.generation, cost, st.st_ino, (st.st_uid, st.st_gid))
         elif stat.S_ISFIFO(st.st_mode):
-            self._write({"path": path, "kind": "fifo", "mode": mode})
+            self._write({"path": path, "kind": "fifo", "mode": mode, "uid": uid, "gid": gid})
 
     async def _settle(self, wanted: Callable[[str], bool]) -> None:
         """Complete the pending copies of the paths *wanted* picks: run each that no request
@@ -333,7 +346,7 @@ class PreImages:
         else:
             if copy.generation == self.generation:
                 self._write({"path": copy.path, "kind": "file", "mode": copy.mode, "blob": copy.blob.name,
-                             "ino": copy.ino})
+                             "ino": copy.ino, "uid": copy.owner[0], "gid": copy.owner[1]})
         finally:
             if src >= 0:
                 os.close(src)
@@ -540,6 +553,10 @@ def _check_record(rec: object) -> str | None:
         return "a symlink record needs a target"
     if "size" in rec and (not isinstance(rec["size"], int) or rec["size"] < 0):
         return "the size must be a count of bytes"
+    for key in ("uid", "gid"):
+        if key in rec and (not isinstance(rec[key], int) or isinstance(rec[key], bool) or rec[key] < 0
+                           or kind in ("absent", "generated")):
+            return f"the {key} must be a number, on a record of something that was there"
     if "ino" in rec and (not isinstance(rec["ino"], int) or isinstance(rec["ino"], bool) or rec["ino"] < 0
                          or kind not in ("file", "unrestorable")):
         return "only a file record has an inode, a number"
@@ -912,11 +929,14 @@ class _Restorer:
             if kind == "dir":
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(name, 0o700, dir_fd=parent)
+                _chown_at(parent, name, rec)
                 _chmod_at(parent, name, rec["mode"], stat.S_ISDIR)
             elif kind == "symlink":
                 os.symlink(rec["target"], name, dir_fd=parent)
+                _chown_at(parent, name, rec)
             elif kind == "fifo":
                 os.mkfifo(name, 0o600, dir_fd=parent)
+                _chown_at(parent, name, rec)
                 _chmod_at(parent, name, rec["mode"], stat.S_ISFIFO)
             elif kind == "file":
                 self._put_back_file(parent, name, rec)
@@ -937,11 +957,20 @@ class _Restorer:
                          dir_fd=parent)
             try:
                 _clone(src, fd)
-                os.fchmod(fd, rec["mode"])
+                if "uid" in rec and os.geteuid() == 0:
+                    os.fchown(fd, rec["uid"], rec.get("gid", -1))
+                os.fchmod(fd, rec["mode"])  # after the owner: set-ID bits are never restored anyway
             finally:
                 os.close(fd)
         finally:
             os.close(src)
+
+
+def _chown_at(parent: int, name: str, rec: _Record) -> None:
+    """Give *name* (in *parent*, never through a symlink) its recorded owner, when the guard
+    may (as root); a guard running as a user restores only what that user owns anyway."""
+    if "uid" in rec and os.geteuid() == 0:
+        os.chown(name, rec["uid"], rec.get("gid", -1), dir_fd=parent, follow_symlinks=False)
 
 
 def _unlink(parent: int, name: str, where: str) -> None:

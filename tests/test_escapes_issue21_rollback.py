@@ -110,12 +110,18 @@ def _symlink_workspace(tmp_path: Path) -> Path:
     return ws
 
 
-def _restored_sub(ws: Path) -> None:
+def _owner(user: str | None) -> int:
+    return 0 if user is None else 65534
+
+
+def _restored_sub(ws: Path, user: str | None) -> None:
     sub = ws / "src/checkout/sub"
     assert stat.S_ISDIR(os.lstat(sub).st_mode), "the symlink is still there"
     assert sorted(p.name for p in sub.iterdir()) == ["f.py"]
     assert (sub / "f.py").read_text() == "orig\n"
     assert not os.path.lexists(ws / "src/checkout/sub2")
+    # Their owner back too (the agent, as --user, can go on editing them).
+    assert {os.lstat(p).st_uid for p in (sub, sub / "f.py")} == {_owner(user)}
 
 
 @pytest.mark.parametrize("user", USERS)
@@ -132,7 +138,7 @@ def test_a_symlink_over_a_restored_directory_by_the_breakers_rollback(
     assert seen["states"] == ["CLOSED", "HALF_OPEN_REANCHOR"]
     # Inside the mount, at once: the directory is back, with the file as it was.
     assert seen["after"] == [["sub", "tax.py"], False, "orig\n"], seen
-    _restored_sub(ws)
+    _restored_sub(ws, user)
     [rollback] = _rollbacks(tmp_path / "run")
     assert (rollback["by"], rollback["failed_count"], rollback["moved_aside_count"]) == ("breaker", 0, 0)
     assert not (tmp_path / "run/rollback-aside").exists()  # the moved file's bytes went back: nothing to keep
@@ -151,7 +157,7 @@ def test_a_symlink_over_a_restored_directory_by_guard_rollback(tmp_path: Path, u
     assert points.returncode == 0, points.stderr
     _no_internal_error(points)
     assert "restored 3 path(s) to the run's start" in points.stdout, points.stdout
-    _restored_sub(ws)
+    _restored_sub(ws, user)
 
 
 SWAPPED_KINDS = r'''
@@ -185,8 +191,9 @@ def _swapped_workspace(tmp_path: Path) -> Path:
     return ws
 
 
-def _restored_kinds(ws: Path) -> None:
+def _restored_kinds(ws: Path, user: str | None) -> None:
     checkout = ws / "src/checkout"
+    assert {os.lstat(checkout / n).st_uid for n in ("a.py", "b.py", "d", "d/x.py", "tool.sh")} == {_owner(user)}
     assert (checkout / "a.py").read_text() == "a = 1\n" and stat.S_ISREG(os.lstat(checkout / "a.py").st_mode)
     assert (checkout / "b.py").read_text() == "b = 2\n" and stat.S_ISREG(os.lstat(checkout / "b.py").st_mode)
     assert stat.S_ISDIR(os.lstat(checkout / "d").st_mode)
@@ -221,7 +228,7 @@ def test_a_fifo_and_swapped_kinds_are_replaced(tmp_path: Path, user: str | None,
         rolled = _guard("rollback", "--run-dir", str(tmp_path / "run"), "--to", "start")
         assert rolled.returncode == 0, rolled.stderr
         _no_internal_error(rolled)
-    _restored_kinds(ws)
+    _restored_kinds(ws, user)
     assert not (tmp_path / "run/rollback-aside").exists()  # every byte taken away was the agent's, seen made
 
 
