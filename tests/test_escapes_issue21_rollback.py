@@ -238,10 +238,11 @@ with open("src/checkout/tax.py", "w") as f:
 with open("src/checkout/new.py", "w") as f:
     f.write("made by the agent\n")
 if {wait!r}:
-    os.mkdir("src/checkout/ready")
+    os.mkdir("src/checkout/ready")  # the operator's rollback takes it away: the agent's signal to go on
     deadline = time.monotonic() + 60
-    while not os.path.exists("src/checkout/ready/go") and time.monotonic() < deadline:
+    while os.path.exists("src/checkout/ready") and time.monotonic() < deadline:
         time.sleep(0.02)
+    attempt("after_operator", lambda: [read("src/checkout/tax.py"), read("src/checkout/new.py")])
     attempt("states", fail_twice)
     attempt("after", lambda: [read("src/checkout/tax.py"), read("src/checkout/new.py")])
 sys.exit({status})
@@ -281,10 +282,11 @@ def test_a_restore_that_cannot_be_done_is_named_by_guard_rollback(tmp_path: Path
 
 
 @pytest.mark.parametrize("user", USERS)
-def test_a_restore_that_cannot_be_done_by_the_breakers_rollback(tmp_path: Path, user: str | None) -> None:
-    """The breaker's rollback meets the same obstacle (made immutable from the host while the
-    agent waits): it restores the rest, the ledger, STATE.md and the console name the path,
-    the run goes on and the guard exits with the agent's status."""
+def test_a_restore_that_cannot_be_done_during_the_run(tmp_path: Path, user: str | None) -> None:
+    """The same obstacle (made immutable from the host while the agent waits) met by the
+    operator's live guard rollback (exit 73, the path named) and then by the breaker's: each
+    restores the rest; the ledger, STATE.md and the console name the path; the run goes on
+    and the guard exits with the agent's status."""
     if shutil.which("chattr") is None:
         pytest.skip("chattr (e2fsprogs) is not installed")
     ws = hostile_workspace(tmp_path)
@@ -304,7 +306,7 @@ def test_a_restore_that_cannot_be_done_by_the_breakers_rollback(tmp_path: Path, 
         wait_for(lambda: (ws / "src/checkout/ready").is_dir() or guard.poll() is not None, "the agent's changes")
         _chattr("+i", ws / "src/checkout/new.py")
         try:
-            (ws / "src/checkout/ready/go").write_text("")
+            live = _guard("rollback", "--run-dir", str(run_dir), "--to", "start")
             out, err = guard.communicate(timeout=120)
         finally:
             _chattr("-i", ws / "src/checkout/new.py")
@@ -317,15 +319,58 @@ def test_a_restore_that_cannot_be_done_by_the_breakers_rollback(tmp_path: Path, 
         seen.update(report)
     assert guard.returncode == AGENT_STATUS, (err[-3000:], seen)
     assert "internal error" not in err and "Traceback" not in err, err[-3000:]
+    assert live.returncode == Exit.CANTCREAT, (live.stdout, live.stderr)
+    _no_internal_error(live)
+    assert "NOT restored: src/checkout/new.py:" in live.stderr, live.stderr
+    restored = ["def total(x):\n    return x\n", "made by the agent\n"]  # the rest, restored; new.py stays
+    assert seen["after_operator"] == restored, seen
     assert seen["states"] == ["CLOSED", "HALF_OPEN_REANCHOR"]
-    assert seen["after"] == ["def total(x):\n    return x\n", "made by the agent\n"], seen  # the rest, restored
-    assert "rollback (asked by the breaker) did NOT restore src/checkout/new.py" in err, err[-3000:]
-    [rollback] = _rollbacks(run_dir)
-    assert rollback["failed_count"] == 1 and rollback["failed"][0]["path"] == "src/checkout/new.py", rollback
-    assert "Operation not permitted" in rollback["failed"][0]["reason"]
+    assert seen["after"] == restored, seen
+    for by in ("operator", "breaker"):
+        assert f"rollback (asked by the {by}) did NOT restore src/checkout/new.py" in err, err[-3000:]
+    rollbacks = _rollbacks(run_dir)
+    assert [r["by"] for r in rollbacks] == ["operator", "breaker"], rollbacks
+    for rollback in rollbacks:
+        assert rollback["failed_count"] == 1 and rollback["failed"][0]["path"] == "src/checkout/new.py", rollback
+        assert "Operation not permitted" in rollback["failed"][0]["reason"]
     assert "NOT restored: src/checkout/new.py" in (run_dir / "STATE.md").read_text()
     # The restore points were kept: the operator's rollback completes once the way is clear.
     again = _guard("rollback", "--run-dir", str(run_dir), "--to", "start")
     assert again.returncode == 0, again.stderr
     assert not (ws / "src/checkout/new.py").exists() and not (ws / "src/checkout/ready").exists()
     assert out is not None
+
+
+MOVED_INTO_A_NEW_DIRECTORY = r'''
+os.mkdir("src/checkout/pkg")
+os.rename("src/checkout/data/big.bin", "src/checkout/pkg/big.bin")
+attempt("states", fail_twice)
+attempt("after", lambda: [sorted(os.listdir("src/checkout")), os.listdir("src/checkout/data")])
+sys.exit({status})
+'''
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_bytes_no_restore_point_keeps_are_moved_aside(tmp_path: Path, user: str | None) -> None:
+    """A file too large to keep (past checkpoint_max_bytes) moved into a directory the agent
+    made: the breaker's rollback takes that directory away whole into the run directory
+    (nothing lost), names it on the console and in the ledger, and names the file as not
+    restored."""
+    ws = hostile_workspace(tmp_path)
+    (ws / "src/checkout/data").mkdir()
+    big = os.urandom(64 << 10)
+    (ws / "src/checkout/data/big.bin").write_bytes(big)
+    manifest = ROLLBACK_ON_FAILURES + "[sandbox]\ncheckpoint_max_bytes = 1024\n"
+    seen, events, proc = hostile_run(tmp_path, ws, user, MOVED_INTO_A_NEW_DIRECTORY.format(status=AGENT_STATUS),
+                                     manifest=manifest, prelude=FAIL_TWICE)
+    assert proc.returncode == AGENT_STATUS, (proc.stderr[-3000:], seen)
+    _no_internal_error(proc)
+    assert seen["after"] == [["data", "tax.py"], []], seen
+    aside = tmp_path / "run/rollback-aside/0001/src/checkout/pkg"
+    assert (aside / "big.bin").read_bytes() == big
+    assert f"rollback moved src/checkout/pkg aside to {aside}" in proc.stderr, proc.stderr[-3000:]
+    [rollback] = _rollbacks(tmp_path / "run")
+    assert rollback["moved_aside"] == [{"path": "src/checkout/pkg", "to": str(aside)}], rollback
+    assert any(e.get("op") == "rollback" and e.get("path") == "src/checkout/data/big.bin"
+               and e.get("restored") is False for e in events), events
+    assert not (ws / "src/checkout/pkg").exists() and list((ws / "src/checkout/data").iterdir()) == []
