@@ -746,15 +746,23 @@ def _open_dir(root_fd: int, path: str) -> int:
     return fd
 
 
-def _chmod_at(dir_fd: int, name: str, mode: int, is_kind: Callable[[int], bool]) -> None:
-    """Set the mode of *name* in *dir_fd*, never through a symlink: through an O_PATH fd of
-    the entry itself, once it proved to be of the kind *is_kind* tests."""
-    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+def _set_mode_at(dir_fd: int, name: str, rec: _Record, is_kind: Callable[[int], bool]) -> None:
+    """Give *name* in *dir_fd* the owner (as root) and mode *rec* records, through an O_PATH
+    fd of the entry itself (openat2: never a symlink, never another mount's root), once it
+    proved to be of the kind *is_kind* tests."""
+    try:
+        fd = openat2(dir_fd, name, os.O_PATH)
+    except OSError as err:
+        if err.errno == errno.EXDEV:
+            raise OSError(err.errno, f"{rec['path']} is a mount point: unmount it") from None
+        raise
     try:
         st = os.fstat(fd)
         if not is_kind(st.st_mode):
             raise OSError(errno.EEXIST, f"{_kind_of(st)} is in the way")
-        os.chmod(f"/proc/self/fd/{fd}", mode)
+        if "uid" in rec and os.geteuid() == 0:
+            os.chown(f"/proc/self/fd/{fd}", rec["uid"], rec.get("gid", -1))
+        os.chmod(f"/proc/self/fd/{fd}", rec["mode"])
     finally:
         os.close(fd)
 
@@ -929,15 +937,13 @@ class _Restorer:
             if kind == "dir":
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(name, 0o700, dir_fd=parent)
-                _chown_at(parent, name, rec)
-                _chmod_at(parent, name, rec["mode"], stat.S_ISDIR)
+                _set_mode_at(parent, name, rec, stat.S_ISDIR)
             elif kind == "symlink":
                 os.symlink(rec["target"], name, dir_fd=parent)
                 _chown_at(parent, name, rec)
             elif kind == "fifo":
                 os.mkfifo(name, 0o600, dir_fd=parent)
-                _chown_at(parent, name, rec)
-                _chmod_at(parent, name, rec["mode"], stat.S_ISFIFO)
+                _set_mode_at(parent, name, rec, stat.S_ISFIFO)
             elif kind == "file":
                 self._put_back_file(parent, name, rec)
         except FileExistsError:
@@ -967,8 +973,8 @@ class _Restorer:
 
 
 def _chown_at(parent: int, name: str, rec: _Record) -> None:
-    """Give *name* (in *parent*, never through a symlink) its recorded owner, when the guard
-    may (as root); a guard running as a user restores only what that user owns anyway."""
+    """Give symlink *name* (in *parent*, just made) its recorded owner, when the guard may (as
+    root); a guard running as a user restores only what that user owns anyway."""
     if "uid" in rec and os.geteuid() == 0:
         os.chown(name, rec["uid"], rec.get("gid", -1), dir_fd=parent, follow_symlinks=False)
 

@@ -139,3 +139,25 @@ async def test_a_bind_mount_over_a_restored_path_is_named(ws: Path, tmp_path: Pa
     assert (ws / "src/a.py").read_text() == "a = 1\n"
     assert rollback_offline(str(ws), store, "start").failed == {}
     assert not (ws / "src/new").exists()
+
+
+@pytest.mark.root
+async def test_a_bind_mount_over_a_kept_directory_is_not_changed(ws: Path, tmp_path: Path) -> None:
+    """A mount over a directory the restore point had (its mode to put back): the mounted
+    tree's root is not chmodded nor chowned through it; the path is named."""
+    pre, store = _store(ws)
+    await pre.keep("src/d")
+    os.chmod(ws / "src/d", 0o700)
+    other = tmp_path / "other"
+    other.mkdir()
+    os.chmod(other, 0o751)  # noqa: S103 - a mode of its own, to see it unchanged
+    pre.close()
+    subprocess.run(["mount", "--bind", str(other), str(ws / "src/d")], check=True)
+    try:
+        done = rollback_offline(str(ws), store, "start")
+    finally:
+        subprocess.run(["umount", str(ws / "src/d")], check=True)
+    assert list(done.failed) == ["src/d"] and "mount point" in done.failed["src/d"], done
+    assert stat.S_IMODE(os.lstat(other).st_mode) == 0o751
+    assert rollback_offline(str(ws), store, "start").failed == {}
+    assert stat.S_IMODE(os.lstat(ws / "src/d").st_mode) == 0o755
