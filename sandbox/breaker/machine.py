@@ -690,6 +690,8 @@ class Breaker:
         omitted["notes"] += self.notes_dropped
         checkpoints = _bounded(self.checkpoints, n, "checkpoints", omitted)
         rollbacks = _bounded(self.rollbacks, n, "rollbacks", omitted)
+        if not omitted["rollbacks"]:
+            del omitted["rollbacks"]  # said only when some are left out: the other counts stay as they were
         files = self._files_snapshot(n, omitted)
         feedback = _clip(self.last_feedback, _MAX_FEEDBACK_CHARS, "")
         return {
