@@ -60,8 +60,10 @@ def render_state(snap: dict[str, Any]) -> str:
         f"# guard state: {snap['state']}" if failure is None else
         f"# guard state: GUARD FAILED (internal error; the breaker was {snap['state']})",
         "",
-        *([f"**The guard failed** ({md_text(failure['error'])}) and stopped the agent; traceback in "
-           f"{md_text(failure['traceback'])}.", ""] if failure is not None else []),
+        *([f"**The guard failed** ({md_text(failure['error'])}) "
+           + ("and stopped the agent" if "after_agent" not in failure else
+              f"after the agent had ended (status {md_text(failure['after_agent'])})")
+           + f"; traceback in {md_text(failure['traceback'])}.", ""] if failure is not None else []),
         f"**Task {md_text(snap['task']['id'])}**: {md_text(snap['task']['goal'])}",
         "",
         "## Scope",
