@@ -33,6 +33,29 @@ HARD_LINK_KEY = "paths.forbidden (a hard link of a forbidden file)"
 # mount refuses it, EXDEV), or one that vanished or is unreadable (the host changes the
 # tree as the guard starts). Nothing of it is served by its name through this walk either.
 _SKIPPED = frozenset({errno.EXDEV, errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.ELOOP})
+#: Longest piece of a path opened in one openat2 (PATH_MAX is 4096): a deeper tree, which an
+#: agent can leave in a native generated tree, is opened a piece at a time, never refused.
+_PIECE = 3072
+
+
+def _open_dir(root_fd: int, path: str) -> int:
+    """Directory *path* beneath *root_fd* ('' is the root itself), opened in pieces shorter than
+    PATH_MAX, each beneath the last and never following a symlink."""
+    names = path.split("/") if path else ["."]
+    fd = root_fd
+    while names:
+        piece: list[str] = []
+        size = 0
+        while names and (not piece or size + len(os.fsencode(names[0])) + 1 < _PIECE):
+            size += len(os.fsencode(names[0])) + 1
+            piece.append(names.pop(0))
+        try:
+            opened = openat2(fd, "/".join(piece), os.O_RDONLY | os.O_DIRECTORY)
+        finally:
+            if fd != root_fd:
+                os.close(fd)
+        fd = opened
+    return fd
 
 
 def forbidden_links(backing: Backing, policy: PathPolicy) -> dict[int, Classification]:
@@ -49,7 +72,7 @@ def forbidden_links(backing: Backing, policy: PathPolicy) -> dict[int, Classific
     while stack:
         top = stack.pop()
         try:
-            fd = openat2(backing.root_fd, top or ".", os.O_RDONLY | os.O_DIRECTORY)
+            fd = _open_dir(backing.root_fd, top)
         except OSError as err:
             if err.errno not in _SKIPPED:
                 raise
