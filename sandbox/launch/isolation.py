@@ -7,7 +7,8 @@ The run directory (control socket, ledger, logs) is covered by an empty tmpfs; o
 ``exec/`` directory is bound writable at ``/tmp/guard/exec``, where ``guard exec`` keeps its
 logs, so they land on the host and outlive the run. As root, every capability is
 dropped. The last step, :mod:`sandbox.launch.enter`, adds Landlock (writes only beneath the
-workspace, /tmp, /dev and declared extras) and no_new_privs.
+workspace, /tmp, /dev and declared extras), no_new_privs and the guard's seccomp filter (the
+host's unix sockets out of reach: :mod:`sandbox.launch.sockets`).
 
 What only root (or another user) may read on the host stays unreadable even to a root agent,
 whose uid 0 without capabilities still owns root's files: /root, /home (but an agent user's
