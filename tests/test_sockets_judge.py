@@ -101,6 +101,21 @@ attempt("tcp_nonblocking", nonblocking)
 attempt("not_a_socket", lambda: ctypes.CDLL(None, use_errno=True).connect(0, b"\\0" * 16, 16) == 0
         or errno.errorcode[ctypes.get_errno()])
 attempt("dgram", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) and "ok")
+# Signals the caller handles (SA_RESTART), all along: a connect the guard has taken is never
+# restarted after the guard connected it (EALREADY), nor cut short (EINTR).
+import signal, struct
+signal.signal(signal.SIGALRM, lambda *_: None)
+signal.siginterrupt(signal.SIGALRM, False)  # SA_RESTART, as libuv's and Go's handlers have
+signal.setitimer(signal.ITIMER_REAL, 0.0002, 0.0002)
+libc = ctypes.CDLL(None, use_errno=True)
+address = struct.pack("=HH4s8x", socket.AF_INET, socket.htons({port}), socket.inet_aton("127.0.0.1"))
+outcomes = set()
+for _ in range(300):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+    outcomes.add(errno.errorcode.get(ctypes.get_errno(), "?") if libc.connect(s.fileno(), address, 16) else "ok")
+    s.close()
+signal.setitimer(signal.ITIMER_REAL, 0)
+print(json.dumps({{"under_signals": sorted(outcomes)}}), flush=True)
 """
 
 
@@ -118,7 +133,7 @@ def test_the_judge_answers_every_connect_of_a_filtered_process(tmp_path: Path) -
     agent, host = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
     agent.bind(str(tmp_path / "agent.sock"))
     host.bind(str(tmp_path / "host.sock"))
-    tcp = socket.create_server(("127.0.0.1", 0))
+    tcp = socket.create_server(("127.0.0.1", 0), backlog=1024)
     for sock in (agent, host):
         sock.listen()
     host.setblocking(False)
@@ -143,7 +158,8 @@ def test_the_judge_answers_every_connect_of_a_filtered_process(tmp_path: Path) -
         assert proc.returncode == 0, err
         seen = {k: v for line in out.splitlines() for k, v in json.loads(line).items()}
         assert seen == {"agent": "ok", "host": "EACCES", "absent": "ENOENT", "einval": "EINVAL", "tcp": "ok",
-                        "tcp_nonblocking": "EINPROGRESS", "not_a_socket": "ENOTSOCK", "dgram": "EACCES"}
+                        "tcp_nonblocking": "EINPROGRESS", "not_a_socket": "ENOTSOCK", "dgram": "EACCES",
+                        "under_signals": ["EINPROGRESS"]}
         with pytest.raises(BlockingIOError):
             host.accept()
     assert events == [("connect", str(tmp_path / "host.sock"), "deny"), ("socket", "AF_UNIX SOCK_DGRAM", "deny")]

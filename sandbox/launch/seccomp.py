@@ -70,6 +70,7 @@ _X32_BIT = 0x40000000
 
 _SECCOMP_SET_MODE_FILTER = 1
 _SECCOMP_FILTER_FLAG_NEW_LISTENER = 1 << 3
+_SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV = 1 << 5  # Linux 5.19
 _RET_ALLOW = 0x7FFF0000
 _RET_USER_NOTIF = 0x7FC00000
 _RET_ERRNO = 0x00050000
@@ -153,7 +154,15 @@ def _install(removals: bool) -> int:
     prog = _Fprog(len(code) // 8, ctypes.addressof(buffer))
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
-    fd = libc.syscall(abi.seccomp, _SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_NEW_LISTENER, ctypes.byref(prog))
+    # Once the guard has taken a call, a signal the caller handles (node's SIGCHLD) waits for the
+    # answer: else the call would be restarted after the guard had connected it (EISCONN, EALREADY).
+    # A fatal signal still ends the caller. Older kernels: without.
+    fd = -1
+    for flags in (_SECCOMP_FILTER_FLAG_NEW_LISTENER | _SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV,
+                  _SECCOMP_FILTER_FLAG_NEW_LISTENER):
+        fd = libc.syscall(abi.seccomp, _SECCOMP_SET_MODE_FILTER, flags, ctypes.byref(prog))
+        if fd >= 0 or ctypes.get_errno() != errno.EINVAL:
+            break
     if fd < 0:
         err = ctypes.get_errno()
         raise OSError(err, f"seccomp: {os.strerror(err)}")
