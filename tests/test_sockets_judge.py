@@ -90,6 +90,10 @@ def unix(path):
     s.connect(path)
     return "ok"
 attempt("agent", lambda: unix({agent!r}))
+import threading  # a connect from a thread that is not the process's first (a resolver's, a pool's)
+threaded = threading.Thread(target=attempt, args=("thread", lambda: unix({agent!r})))
+threaded.start()
+threaded.join()
 attempt("host", lambda: unix({host!r}))
 attempt("absent", lambda: unix({absent!r}))
 attempt("einval", lambda: socket.socket(socket.AF_UNIX).connect(""))
@@ -157,8 +161,8 @@ def test_the_judge_answers_every_connect_of_a_filtered_process(tmp_path: Path) -
         out, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err
         seen = {k: v for line in out.splitlines() for k, v in json.loads(line).items()}
-        assert seen == {"agent": "ok", "host": "EACCES", "absent": "ENOENT", "einval": "EINVAL", "tcp": "ok",
-                        "tcp_nonblocking": "EINPROGRESS", "not_a_socket": "ENOTSOCK", "dgram": "EACCES",
+        assert seen == {"agent": "ok", "thread": "ok", "host": "EACCES", "absent": "ENOENT", "einval": "EINVAL",
+                        "tcp": "ok", "tcp_nonblocking": "EINPROGRESS", "not_a_socket": "ENOTSOCK", "dgram": "EACCES",
                         "under_signals": ["EINPROGRESS"]}
         with pytest.raises(BlockingIOError):
             host.accept()

@@ -49,6 +49,7 @@ from sandbox.launch.seccomp import Listener, Notification, receive_listener
 __all__ = ["HostSocket", "SocketJudge", "mount_device", "named_sockets", "serve_filter"]
 
 _SYS_PIDFD_GETFD = 438  # the same number on every architecture
+_PIDFD_THREAD = os.O_EXCL
 _SOCKADDR_MAX = 128  # sizeof(struct sockaddr_storage): the kernel refuses more (EINVAL)
 _SUN_PATH = 2  # offsetof(struct sockaddr_un, sun_path)
 _SOCKADDR_UN_MAX = 110  # sizeof(struct sockaddr_un)
@@ -220,7 +221,7 @@ class SocketJudge:
     def _fetch(self, listener: Listener, call: Notification, fd: int) -> socket.socket | None:
         """The caller's socket *fd* (a duplicate), or None when the caller is gone. Cheap: on the loop."""
         try:
-            pidfd = os.pidfd_open(call.pid)
+            pidfd = _pidfd(call.pid)
         except ProcessLookupError:
             return None
         try:
@@ -296,6 +297,21 @@ class SocketJudge:
         # The live console says each denial (rate-limited, never the event): the way out is in it.
         self.emit("connect", what, "deny", rule="sandbox.unix_sockets", errno="EACCES",
                   reason=f"{why}; to allow it, add {what!r} to [sandbox] unix_sockets")
+
+
+def _pidfd(tid: int) -> int:
+    """A pidfd of thread *tid* (PIDFD_THREAD, Linux 6.9: the caller is often not its process's
+    first thread: a resolver's, a runtime's pool); before 6.9, of its process (whose descriptor
+    table its threads share but if one unshared it: then the guard connects a socket the caller
+    does not hold, and the caller's stays unconnected)."""
+    try:
+        return os.pidfd_open(tid, _PIDFD_THREAD)
+    except OSError as err:
+        if err.errno != errno.EINVAL:
+            raise
+    with open(f"/proc/{tid}/status", encoding="ascii", errors="replace") as status:
+        tgid = next((int(line.split()[1]) for line in status if line.startswith("Tgid:")), tid)
+    return os.pidfd_open(tgid)
 
 
 def _connect(sock: socket.socket, address: bytes) -> int:
