@@ -168,3 +168,17 @@ def test_the_judge_answers_every_connect_of_a_filtered_process(tmp_path: Path) -
             host.accept()
     assert events == [("connect", str(tmp_path / "host.sock"), "deny"), ("socket", "AF_UNIX SOCK_DGRAM", "deny")]
     assert not judge.private_devs  # /tmp and /dev reported by a caller that shares our mounts
+
+
+def test_the_agent_does_not_start_when_the_guard_does_not_take_the_filter(tmp_path: Path) -> None:
+    """The sandbox's entry step with its filter's socket to a guard that is gone: no agent, exit
+    69, and the words say why and the way out."""
+    ours, theirs = socket.socketpair()
+    ours.close()  # the guard ended (or never read it)
+    with theirs:
+        proc = subprocess.run([sys.executable, "-m", "sandbox.launch.enter", "--write", str(tmp_path),
+                               f"--filter={theirs.fileno()}", "--", "echo", "agent started"],
+                              pass_fds=(theirs.fileno(),), capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 69 and "agent started" not in proc.stdout, (proc.stdout, proc.stderr)
+    assert "refusing to start the agent: the guard's seccomp filter is not in place" in proc.stderr
+    assert "--no-isolation" in proc.stderr
