@@ -10,6 +10,7 @@ when the agent ends, unmounts and prints a summary.
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import math
 import os
@@ -74,6 +75,7 @@ from sandbox.launch.runs import (
     stage_prefix,
     user_runs,
 )
+from sandbox.launch.sockets import HostSocket, SocketJudge, mount_device, named_sockets, serve_filter
 from sandbox.launch.supervisor import ProcessTree, Spawner, wait_exit
 from sandbox.session import Session
 
@@ -109,6 +111,8 @@ class _Outcome:
     failure: dict[str, str] | None = None  # the guard's own defect: what it was, where its traceback is
     stop_on_terminal: bool = True  # a terminal trip stops the run; else it freezes the agent (terminal_action)
     console: LiveConsole | None = None  # the lines of denials and trips on the guard's stderr
+    # [sandbox] unix_sockets, as found at the start: the host's sockets and abstract names the agent may reach
+    sockets: tuple[list[HostSocket], list[bytes]] = field(default_factory=lambda: ([], []))
     left: list[str] = field(default_factory=list)  # what the agent left in guard exec's stage, not kept as it was
 
     def recorder(self, log: Path, echo: BinaryIO | None, cap: int) -> Recorder:
@@ -140,17 +144,26 @@ def run(opts: RunOptions) -> int:
     bwrap = _sandbox_tool(opts)  # a usage error is said before anything about the machine
     _check_command(opts)  # the same: before the mount
     check_fuse_available()
+    sockets = _unix_sockets(opts) if bwrap is not None else ([], [])  # a manifest error: before the mount
     made = not os.path.lexists(opts.run_dir)
     started: list[bool] = []
     try:
-        return _run(opts, bwrap, started)
+        return _run(opts, bwrap, started, sockets)
     except BaseException:
         if made and not started:
             shutil.rmtree(opts.run_dir, ignore_errors=True)
         raise
 
 
-def _run(opts: RunOptions, bwrap: str | None, started: list[bool]) -> int:
+def _unix_sockets(opts: RunOptions) -> tuple[list[HostSocket], list[bytes]]:
+    """``[sandbox] unix_sockets``, ``~`` being the agent's home; ManifestError for one that is
+    not a socket now."""
+    home = pwd.getpwnam(opts.user).pw_dir if opts.user is not None else os.environ.get("HOME") or str(Path.home())
+    return named_sockets(opts.manifest.sandbox.unix_sockets, home, str(opts.workspace.resolve()))
+
+
+def _run(opts: RunOptions, bwrap: str | None, started: list[bool],
+         sockets: tuple[list[HostSocket], list[bytes]] = ([], [])) -> int:
     """:func:`run`, from its run directory on; *started* gets an entry once the mount is up."""
     run_dir = opts.run_dir
     claim_run_dir(run_dir)  # mode 000 as root: out of every sandbox's reach (sandbox.launch.runs)
@@ -174,7 +187,7 @@ def _run(opts: RunOptions, bwrap: str | None, started: list[bool]) -> int:
     native_args, planned = _native_generated(opts, bwrap, native_stage, events, private)
     lane_args += native_args
     outcome = _Outcome(binder=_midrun_binder(opts, bwrap, private, events, planned),
-                       stop_on_terminal=stop_on_terminal, console=_live_console(events, run_dir))
+                       stop_on_terminal=stop_on_terminal, console=_live_console(events, run_dir), sockets=sockets)
     with open(run_dir / "workspace", "w", opener=lambda p, f: os.open(p, f, 0o600)) as marker:
         marker.write(str(opts.workspace))  # for an offline guard rollback
     session = Session(opts.manifest, opts.workspace, events, run_dir=run_dir, agent_path=stage / "agent.sock",
@@ -453,7 +466,7 @@ def _search_path(env: Mapping[str, str]) -> str:
 
 def _agent_argv(
     opts: RunOptions, bwrap: str | None, daemon: Daemon, pty: bool, mnt: Path, lane_args: list[str],
-    removals_fd: int | None = None,
+    filter_fd: int | None = None, removals: bool = False, sockets: list[str] | None = None,
 ) -> tuple[list[str], Path, dict[str, str]]:
     # An agent of another user gets an allowlist of the guard's (root's) environment; an agent
     # of the guard's own user, that user's environment as it started guard.
@@ -518,8 +531,8 @@ def _agent_argv(
         writable=writable, pty=pty,
         entry=system_entry() if opts.user is not None else None, files=files, over_workspace=lane_args,
         exec_logs=str(exec_logs), masks=masks,
-        mask_file=str(mask_file), network=opts.manifest.sandbox.network, removals_fd=removals_fd,
-        installed=installed, secrets=secrets,
+        mask_file=str(mask_file), network=opts.manifest.sandbox.network, filter_fd=filter_fd,
+        removals=removals, installed=installed, secrets=secrets, sockets=sockets or [],
     )
     if opts.user is not None:
         pw = pwd.getpwnam(opts.user)
@@ -650,8 +663,10 @@ async def _run_agent(
     # The spawner's thread forks the agent and outlives it: see Spawner for why no trio
     # worker thread may (bubblewrap's --die-with-parent is relative to the forking thread).
     with Spawner() as spawner, contextlib.ExitStack() as streams:
-        removals, fds = _removals_socket(outcome.binder, streams)
-        argv, cwd, env = _agent_argv(opts, bwrap, daemon, use_pty, mnt, lane_args, *fds)
+        handover, fds = _filter_socket(bwrap, streams)
+        argv, cwd, env = _agent_argv(opts, bwrap, daemon, use_pty, mnt, lane_args, fds[0] if fds else None,
+                                     removals=outcome.binder is not None,
+                                     sockets=[named.path for named in outcome.sockets[0]])
         async with trio.open_nursery() as nursery:
             if use_pty:
                 master, slave = _openpty(opts.user)
@@ -681,7 +696,7 @@ async def _run_agent(
             tree = outcome.tree = ProcessTree(proc.pid)
             try:
                 async with trio.open_nursery() as watchers:
-                    _start_watchers(watchers, session, tree, opts, outcome, removals)
+                    _start_watchers(watchers, session, tree, opts, outcome, handover, mnt)
                     with _raw_terminal(use_pty):
                         code = await wait_exit(proc)
                     outcome.status = 128 - code if code < 0 else code
@@ -698,12 +713,11 @@ async def _run_agent(
                 nursery.cancel_scope.cancel()  # the stdin forwarder never ends by itself
 
 
-def _removals_socket(binder: MidRunBinder | None, streams: contextlib.ExitStack
-                     ) -> tuple[tuple[socket.socket, socket.socket] | None, tuple[int, ...]]:
-    """The guard's and the sandbox's ends of the socket that brings the filter on directory
-    removals (sandbox.launch.seccomp), when generated trees are bound natively, and the fds
-    to pass the sandbox."""
-    if binder is None:
+def _filter_socket(bwrap: str | None, streams: contextlib.ExitStack
+                   ) -> tuple[tuple[socket.socket, socket.socket] | None, tuple[int, ...]]:
+    """The guard's and the sandbox's ends of the socket that brings the sandbox's seccomp
+    filter (sandbox.launch.seccomp), in every isolated run, and the fds to pass the sandbox."""
+    if bwrap is None:
         return None, ()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     streams.callback(theirs.close)
@@ -712,16 +726,23 @@ def _removals_socket(binder: MidRunBinder | None, streams: contextlib.ExitStack
 
 
 def _start_watchers(watchers: trio.Nursery, session: Session, tree: ProcessTree, opts: RunOptions,
-                    outcome: _Outcome, removals: tuple[socket.socket, socket.socket] | None) -> None:
+                    outcome: _Outcome, handover: tuple[socket.socket, socket.socket] | None, mnt: Path) -> None:
     """The tasks that live as long as the agent: the breaker's watcher, the signal handler,
-    and the binder of generated trees made during the run (with its watch on removals)."""
+    the guard's end of the sandbox's filter (connects judged, removals watched) and the binder
+    of generated trees made during the run."""
     watchers.start_soon(_watch, session, tree, opts, outcome)
     watchers.start_soon(_on_signals, tree, outcome)
     if outcome.binder is not None:
         watchers.start_soon(outcome.binder.serve, tree)
-        if removals is not None:
-            removals[1].close()  # the sandbox's end, held by its entry step now: EOF if it ends first
-            watchers.start_soon(outcome.binder.watch_removals, removals[0], tree)
+    if handover is not None:
+        handover[1].close()  # the sandbox's end, held by its entry step now: EOF if it ends first
+        fuse = mount_device(os.path.join(os.path.realpath(mnt.parent), mnt.name))  # no stat through the mount
+        named, abstract = outcome.sockets
+        judge = SocketJudge(agent_socket=str(session.daemon.agent_path), named=named, abstract=abstract,
+                            network=opts.manifest.sandbox.network, private_devs=[fuse] if fuse is not None else [],
+                            emit=session.events.emit, say=lambda text: _say(printable(text)))
+        removals = None if outcome.binder is None else functools.partial(outcome.binder.serve_removals, tree)
+        watchers.start_soon(serve_filter, handover[0], judge, removals)
 
 
 def _give(fd: int, user: str | None) -> None:
