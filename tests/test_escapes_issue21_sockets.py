@@ -348,6 +348,13 @@ int main(void) {
         attempt("raw", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_RAW) and "ok")
         attempt("pair_dgram", lambda: socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM) and "ok")
         attempt("udp", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM) and "ok")
+        # The guard performs the connect, but with the agent's credentials: joining rtnetlink's
+        # multicast groups at connect needs CAP_NET_ADMIN, which the agent (root or not) lacks.
+        def netlink_groups():
+            with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as s:
+                s.connect((0, 1))
+                return "ok"
+        attempt("netlink_groups", netlink_groups)
         def syscall(nr, *args):
             r = libc.syscall(nr, *args)
             return errno.errorcode[ctypes.get_errno()] if r < 0 else "ok"
@@ -364,6 +371,7 @@ int main(void) {
     assert proc.returncode == 0, proc.stderr
     expected: dict[str, object] = {
         "dgram": "EACCES", "dgram_cloexec": "EACCES", "raw": "EACCES", "pair_dgram": "EACCES", "udp": "ok",
+        "netlink_groups": "EPERM",
         "io_uring_setup": "ENOSYS", "syslog": "carried on"}
     if os.uname().machine == "x86_64":
         expected["x32_getpid"] = "ENOSYS"

@@ -176,8 +176,9 @@ class SocketJudge:
         self.say = say
         self.as_caller = os.geteuid() == 0 if as_caller is None else as_caller
         # Connects may block (a TCP handshake, a full backlog): their own threads, never the
-        # ones the mount's work needs.
-        self._threads = trio.CapacityLimiter(64)
+        # ones the mount's work needs; unix ones apart, so that connects to a black-holed host
+        # never keep the agent's hooks from the agent socket.
+        self._threads = {True: trio.CapacityLimiter(64), False: trio.CapacityLimiter(256)}
 
     def trust(self, devices: Sequence[int]) -> None:
         """Take the devices the sandbox's entry step reported as its own (its /tmp, its /dev),
@@ -202,7 +203,8 @@ class SocketJudge:
             return  # the caller is gone
         try:
             verdict = await trio.to_thread.run_sync(self._perform, listener, call, sock, at, size,
-                                                    limiter=self._threads, abandon_on_cancel=True)
+                                                    limiter=self._threads[sock.family == socket.AF_UNIX],
+                                                    abandon_on_cancel=True)
         finally:
             sock.close()  # ours is a duplicate: the caller's stays open (and connected)
         if verdict.refused is not None:
@@ -248,7 +250,13 @@ class SocketJudge:
         if not listener.valid(call.id):  # read from another process that took the pid
             return _Verdict(errno.EINTR)  # nobody waits for it
         if sock.family != socket.AF_UNIX:
-            return _Verdict(_connect(sock, address))
+            # As the caller too: a connect's own checks (netlink's multicast groups, an LSM's
+            # hook) must see the agent's credentials, never the guard's capabilities.
+            try:
+                with _as_caller(call.pid) if self.as_caller else contextlib.nullcontext():
+                    return _Verdict(_connect(sock, address))
+            except OSError as err:
+                return _Verdict(err.errno or errno.EACCES)
         if sock.type not in (socket.SOCK_STREAM, socket.SOCK_SEQPACKET):
             return _Verdict(errno.EACCES, "a datagram unix socket", "datagram unix sockets are refused")
         if size <= _SUN_PATH or size > _SOCKADDR_UN_MAX or int.from_bytes(address[:2], "little") != socket.AF_UNIX:
