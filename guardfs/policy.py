@@ -233,7 +233,7 @@ class PathPolicy:
     def __init__(
         self, manifest: Manifest, *, git_config_existed: bool = True, started_ns: int | None = None,
         hide_git: bool = False, git_state_locked: bool = False, gitignore: Sequence[str] = (),
-        agent_files: Sequence[str] = (), agent_caches: Sequence[str] = (),
+        agent_files: Sequence[str] = (), agent_caches: Sequence[str] = (), git_dirs: Sequence[str] = (),
     ) -> None:
         self.manifest = manifest
         self.git_config_existed = git_config_existed
@@ -241,8 +241,11 @@ class PathPolicy:
         #: there before the run (file times lag the clock by a tick at most, in that
         #: direction: a file from before the start never looks newer).
         self.started_ns = time.time_ns() if started_ns is None else started_ns
-        # paths.forbidden_in_git = "hide-git" and git tracks a forbidden path: .git/ is forbidden.
+        # paths.forbidden_in_git = "hide-git" and git holds a secret: every git directory is
+        # forbidden (each `.git`, at any depth, and *git_dirs*: the workspace-relative git
+        # directories that gitfiles name under other names, `git init --separate-git-dir`).
         self.hide_git = hide_git
+        self.git_dirs = tuple(git_dirs)
         # A run that judges git's updates (guardfs.gitscope): its index and refs are read-only
         # but for the lock-file rename (and the unlink) that the mount judges itself.
         self.git_state_locked = git_state_locked
@@ -258,6 +261,7 @@ class PathPolicy:
         #: The .gitignore patterns treated as generated (paths.generated_from_gitignore).
         self.gitignore = list(gitignore) if paths.generated_from_gitignore else []
         self._gitignored = pathspec.GitIgnoreSpec.from_lines(self.gitignore)
+        self.agent_files, self.agent_caches = tuple(agent_files), tuple(agent_caches)  # kept to rebuild it
         own = ((agent_files, Scope.GENERATED), (agent_caches, Scope.GENERATED_OUTSIDE))
         self._agent_own = [(pathspec.GitIgnoreSpec.from_lines(p), list(p), scope) for p, scope in own if p]
         # Memo of classify: a verdict depends only on the path, whether it is a directory and
@@ -283,7 +287,8 @@ class PathPolicy:
         probe = path + "/" if is_dir else path
         if path == GUARD_DIR or path.startswith(GUARD_DIR + "/"):
             return Classification(Scope.PROTECTED, "built-in: the guard's own files")
-        if self.hide_git and (path == ".git" or path.startswith(".git/")):
+        if self.hide_git and (".git" in path.split("/") or any(
+                path == d or path.startswith(d + "/") for d in self.git_dirs)):
             return Classification(Scope.FORBIDDEN, "paths.forbidden_in_git", "hide-git")
         tree = self._tree_above(path)
         secret = self._secret(probe, tree)

@@ -19,6 +19,10 @@ anything beneath it, now or later (:func:`forbidden_reach`):
   also those created during the run), and their other subdirectories become lanes;
 - a hard link, made before the run, of a file forbidden by name (which the mount refuses
   under any name, :mod:`guardfs.links`) keeps the directories above it under the mount too.
+  Lanes are planned with the mount's own policy, so under ``forbidden_in_git = "hide-git"``
+  git's objects are such files: a loose object hard-linked into a lane (``git clone
+  --local``, ``cp -al``) keeps its directory behind the mount, which refuses it, as does
+  one of a masked git directory outside the workspace (a linked worktree's store).
 
 So nothing forbidden is ever listed or readable in a lane, and nothing needs masking.
 Nothing in a lane can be written (a read-only bind; the kernel answers EROFS, the errno
@@ -35,6 +39,7 @@ import enum
 import fnmatch
 import os
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,10 +159,15 @@ def _out_of_scope(root: Path, anchors: list[str], policy: PathPolicy, dev: int) 
     return found
 
 
-def plan_lanes(manifest: Manifest, workspace: Path, max_lanes: int = MAX_LANES) -> Lanes:
-    """The fast lanes of *workspace* under *manifest*: directories no forbidden pattern can reach."""
+def plan_lanes(manifest: Manifest, workspace: Path, max_lanes: int = MAX_LANES, *,
+               policy: PathPolicy | None = None, git_dirs: Sequence[str] = ()) -> Lanes:
+    """The fast lanes of *workspace* under *manifest*: directories no forbidden pattern can reach.
+
+    *policy* is the mount's (``hide-git`` included: a lane must hide what the mount hides;
+    default: the manifest's alone); *git_dirs* are git directories outside the workspace the
+    sandbox masks (their objects' other names in a lane are kept behind the mount too)."""
     lanes = Lanes()
-    policy = PathPolicy(manifest)
+    policy = policy if policy is not None else PathPolicy(manifest)
     root = workspace.resolve()
     dev = root.stat().st_dev
     candidates: list[str] = []
@@ -198,7 +208,7 @@ def plan_lanes(manifest: Manifest, workspace: Path, max_lanes: int = MAX_LANES) 
     candidates = _unreached(candidates, keyed, policy, lanes)
     if not candidates:
         return lanes
-    tainted = _hard_link_dirs(root, policy, candidates)
+    tainted = _hard_link_dirs(root, policy, candidates, _hidden_inodes(policy, git_dirs, dev))
     for tree in sorted(candidates):
         trees = _split(root, tree, patterns, tainted, dev, max_lanes, policy)
         if trees is None:
@@ -262,12 +272,29 @@ def _split(root: Path, tree: str, patterns: list[str], tainted: set[str], dev: i
     return sorted(out)
 
 
-def _hard_link_dirs(root: Path, policy: PathPolicy, trees: list[str]) -> set[str]:
+def _hidden_inodes(policy: PathPolicy, git_dirs: Sequence[str], dev: int) -> set[int]:
+    """Inodes (on the workspace's filesystem *dev*) of the hard-linked files of the masked
+    git directories *git_dirs*, under ``hide-git``: a lane must not show them under another name."""
+    out: set[int] = set()
+    if not policy.hide_git:
+        return out
+    for top in git_dirs:
+        for dirpath, _dirs, filenames in os.walk(top):
+            for name in filenames:
+                with contextlib.suppress(OSError):
+                    st = os.lstat(os.path.join(dirpath, name))
+                    if st.st_nlink > 1 and st.st_dev == dev and stat.S_ISREG(st.st_mode):
+                        out.add(st.st_ino)
+    return out
+
+
+def _hard_link_dirs(root: Path, policy: PathPolicy, trees: list[str], hidden: set[int]) -> set[str]:
     """The directories (and their ancestors) under *trees* that hold another name of a file
-    forbidden by name: the mount refuses it under any name, a lane would not."""
+    forbidden by name (with ``hide-git``, git's objects among them), or of one of the
+    *hidden* inodes: the mount refuses it under any name, a lane would not."""
     backing = Backing(str(root))
     try:
-        inodes = forbidden_links(backing, policy)
+        inodes = set(forbidden_links(backing, policy)) | hidden
     finally:
         backing.close()
     out: set[str] = set()

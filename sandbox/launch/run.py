@@ -24,7 +24,7 @@ import termios
 import time
 import traceback
 import tty
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -166,20 +166,22 @@ def _run(opts: RunOptions, bwrap: str | None, started: list[bool]) -> int:
     _say_where(opts)
     stop_on_terminal = _say_terminal_action(opts)
     events = EventLog(run_dir / "events.jsonl", caps=opts.manifest.record)
-    lane_stage = LaneStage(stage)
-    lane_args = _fast_lanes(opts, bwrap, lane_stage, events)
-    native_stage = NativeStage(stage)
-    native_args, planned = _native_generated(opts, bwrap, native_stage, events, private)
-    lane_args += native_args
-    outcome = _Outcome(binder=_midrun_binder(opts, bwrap, private, events, planned),
-                       stop_on_terminal=stop_on_terminal, console=_live_console(events, run_dir))
     with open(run_dir / "workspace", "w", opener=lambda p, f: os.open(p, f, 0o600)) as marker:
         marker.write(str(opts.workspace))  # for an offline guard rollback
     session = Session(opts.manifest, opts.workspace, events, run_dir=run_dir, agent_path=stage / "agent.sock",
                       checkpoints=True, cache_timeout=opts.cache_timeout, xattrs=opts.xattrs,
                       # the agent's own files in the workspace (the agents' table)
                       agent_files=AGENTS[opts.agent].own_files if opts.agent in AGENTS else (),
-                      agent_caches=AGENTS[opts.agent].own_caches if opts.agent in AGENTS else ())
+                      agent_caches=AGENTS[opts.agent].own_caches if opts.agent in AGENTS else (),
+                      git_cache=user_runs().parent / "git-history")
+    lane_stage = LaneStage(stage)
+    # Planned with the mount's own policy ("hide-git" included: a lane never shows what the mount hides).
+    lane_args = _fast_lanes(opts, bwrap, lane_stage, events, session)
+    native_stage = NativeStage(stage)
+    native_args, planned = _native_generated(opts, bwrap, native_stage, events, private)
+    lane_args += native_args
+    outcome = _Outcome(binder=_midrun_binder(opts, bwrap, private, events, planned),
+                       stop_on_terminal=stop_on_terminal, console=_live_console(events, run_dir))
     for notice in session.notices:
         _say(notice)
     if outcome.binder is not None:
@@ -408,7 +410,7 @@ def _search_path(env: Mapping[str, str]) -> str:
 
 def _agent_argv(
     opts: RunOptions, bwrap: str | None, daemon: Daemon, pty: bool, mnt: Path, lane_args: list[str],
-    removals_fd: int | None = None,
+    removals_fd: int | None = None, *, git_masks: Sequence[str] = (),
 ) -> tuple[list[str], Path, dict[str, str]]:
     # An agent of another user gets an allowlist of the guard's (root's) environment; an agent
     # of the guard's own user, that user's environment as it started guard.
@@ -466,7 +468,7 @@ def _agent_argv(
     installed = installation(executable, search, str(opts.workspace.resolve())) | reveal(_readable(opts, home))
     masks = host_secrets(own_home, other_runs)
     writable = [str(p) for p in _extra_writable(opts)] + ([str(state)] if state else [])
-    secrets = _credential_stores(opts, home, masks, writable, installed)
+    secrets = _credential_stores(opts, home, masks, writable, installed) + _git_masks(opts, git_masks)
     argv = bwrap_argv(
         bwrap=bwrap, mountpoint=str(mnt), workspace=str(opts.workspace), run_dir=str(opts.run_dir),
         agent_socket=str(daemon.agent_path), cwd=str(cwd), command=command,
@@ -488,7 +490,8 @@ def _agent_argv(
     return argv, Path("/"), env
 
 
-def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: EventLog) -> list[str]:
+def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: EventLog,
+                session: Session | None = None) -> list[str]:
     """bubblewrap arguments for the run's fast lanes (see sandbox.launch.lanes), said aloud and
     recorded as an event; none when the manifest declares none or there is no sandbox."""
     settings = opts.manifest.sandbox
@@ -498,7 +501,8 @@ def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: E
         _say("fast lanes are off: they need the sandbox (not --no-isolation)")
         return []
     try:
-        lanes = plan_lanes(opts.manifest, opts.workspace)
+        lanes = plan_lanes(opts.manifest, opts.workspace, policy=session.policy if session else None,
+                           git_dirs=session.git_masks if session else ())
         argv = stage.bwrap_args(lanes, opts.workspace.resolve(), str(opts.workspace), staged=opts.user is not None)
     except OSError as err:  # a speed-up only: without it everything goes through the mount
         stage.cleanup()
@@ -586,6 +590,22 @@ def _credential_stores(opts: RunOptions, home: str, masks: HostMasks, writable: 
     return found
 
 
+def _git_masks(opts: RunOptions, git_dirs: Sequence[str]) -> list[str]:
+    """The git directories outside the workspace that "hide-git" masks in the sandbox (a
+    linked worktree's common directory, a separate git directory), said aloud; for an agent
+    of another user, those it can reach (its bubblewrap could mask no other, and it cannot
+    read them anyway)."""
+    if opts.user is not None:
+        pw = pwd.getpwnam(opts.user)
+        groups = set(os.getgrouplist(pw.pw_name, pw.pw_gid))
+        git_dirs = [d for d in git_dirs if reachable_by(os.path.join(d, "_"), pw.pw_uid, groups)]
+    found = [d for d in git_dirs if os.path.isdir(d)]
+    if found:
+        _say(f"git directories outside the workspace masked (paths.forbidden_in_git = \"hide-git\"): "
+             f"{printable(', '.join(found))}")
+    return found
+
+
 def _extra_writable(opts: RunOptions) -> list[Path]:
     out = []
     for entry in opts.manifest.sandbox.writable:
@@ -606,7 +626,7 @@ async def _run_agent(
     # worker thread may (bubblewrap's --die-with-parent is relative to the forking thread).
     with Spawner() as spawner, contextlib.ExitStack() as streams:
         removals, fds = _removals_socket(outcome.binder, streams)
-        argv, cwd, env = _agent_argv(opts, bwrap, daemon, use_pty, mnt, lane_args, *fds)
+        argv, cwd, env = _agent_argv(opts, bwrap, daemon, use_pty, mnt, lane_args, *fds, git_masks=session.git_masks)
         async with trio.open_nursery() as nursery:
             if use_pty:
                 master, slave = _openpty(opts.user)
