@@ -214,12 +214,15 @@ def tail_spec(patterns: list[str]) -> pathspec.GitIgnoreSpec:
 
 
 def _env(common_dir: str) -> dict[str, str]:
-    """git's environment for the walk: no configuration but the store's own (whose programs
-    the walk's commands never run), no replace objects, no locks taken."""
+    """git's environment for the walk: no configuration but the store's own (the agent may
+    have written it: the walk's commands run no program it names, and no transport, so a
+    partial clone's missing object is never fetched), no replace objects, no locks taken."""
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GIT_CONFIG_NOSYSTEM": "1",
             "GIT_CONFIG_GLOBAL": "/dev/null", "HOME": "/nonexistent", "LC_ALL": "C",
             "GIT_DIR": common_dir, "GIT_NO_REPLACE_OBJECTS": "1", "GIT_OPTIONAL_LOCKS": "0",
-            "GIT_CONFIG_PARAMETERS": "'core.fsmonitor=false' 'core.hooksPath=/dev/null' 'safe.directory=*'"}
+            "GIT_NO_LAZY_FETCH": "1", "GIT_ALLOW_PROTOCOL": "none", "GIT_TERMINAL_PROMPT": "0",
+            "GIT_CONFIG_PARAMETERS": "'core.fsmonitor=false' 'core.hooksPath=/dev/null' 'safe.directory=*' "
+                                     "'protocol.allow=never' 'core.pager=cat'"}
 
 
 def _git(common_dir: str, *args: str, stdin: bytes | None = None, deadline: float) -> bytes:

@@ -55,6 +55,8 @@ _MANIFEST_RULE = f"built-in: a manifest ({DEFAULT_MANIFEST}, in any directory) i
 _STAND_IN = "\x01guard-generated-tree\x01"
 # Paths whose verdicts PathPolicy keeps at most (about 200 bytes each).
 _MEMO_MAX = 1 << 16
+_SEPARATE_GIT_DIR_RULE = ("built-in: a git directory a gitfile names under another name than .git (git's "
+                          "updates there are not judged, so it is read-only)")
 
 
 def read_gitignore(workspace: str | os.PathLike[str]) -> list[str]:
@@ -242,8 +244,10 @@ class PathPolicy:
         #: direction: a file from before the start never looks newer).
         self.started_ns = time.time_ns() if started_ns is None else started_ns
         # paths.forbidden_in_git = "hide-git" and git holds a secret: every git directory is
-        # forbidden (each `.git`, at any depth, and *git_dirs*: the workspace-relative git
-        # directories that gitfiles name under other names, `git init --separate-git-dir`).
+        # forbidden (each `.git`, at any depth, and *git_dirs*). *git_dirs*: the
+        # workspace-relative git directories a gitfile names under another name than `.git`
+        # (`git init --separate-git-dir`): read-only otherwise, since the mount judges git's
+        # updates by the name `.git` (git cannot commit there; nothing lands unjudged).
         self.hide_git = hide_git
         self.git_dirs = tuple(git_dirs)
         # A run that judges git's updates (guardfs.gitscope): its index and refs are read-only
@@ -287,13 +291,15 @@ class PathPolicy:
         probe = path + "/" if is_dir else path
         if path == GUARD_DIR or path.startswith(GUARD_DIR + "/"):
             return Classification(Scope.PROTECTED, "built-in: the guard's own files")
-        if self.hide_git and (".git" in path.split("/") or any(
-                path == d or path.startswith(d + "/") for d in self.git_dirs)):
+        in_git_dir = any(path == d or path.startswith(d + "/") for d in self.git_dirs)
+        if self.hide_git and (in_git_dir or ".git" in path.split("/")):
             return Classification(Scope.FORBIDDEN, "paths.forbidden_in_git", "hide-git")
         tree = self._tree_above(path)
         secret = self._secret(probe, tree)
         if secret is not None:
             return secret
+        if in_git_dir:
+            return Classification(Scope.PROTECTED, _SEPARATE_GIT_DIR_RULE)
         if path.rpartition("/")[2] == DEFAULT_MANIFEST and tree is None:
             # Not only the root's: any directory can be a later run's workspace (one outside every
             # repository, a repository the agent makes there with git init), whose guard run then

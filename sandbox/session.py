@@ -149,6 +149,10 @@ class Session:
         for repo, found in history.found:
             where.setdefault(found.path, []).extend(
                 w if repo.prefix == "" else f"{w} in {repo.label}" for w in found.where)
+        inside, outside = history.git_dirs(os.fspath(workspace))
+        if inside:  # read-only (guardfs.policy); forbidden under "hide-git" below
+            self.policy = self._policy_with(manifest, hide_git=False, git_dirs=inside)
+            scope.policy = self.policy
         if not where and history.problem is None:
             return scope
         tracked = sorted(where)
@@ -174,11 +178,7 @@ class Session:
         said = f"git holds secret path(s) {shown}" if where else (
             f"git's history was not checked ({history.problem}), so it may hold secrets")
         if mode == "hide-git":
-            inside, outside = history.git_dirs(os.fspath(workspace))
-            self.policy = PathPolicy(manifest, git_config_existed=self.policy.git_config_existed, hide_git=True,
-                                     git_state_locked=True, gitignore=self.policy.gitignore,
-                                     agent_files=self.policy.agent_files, agent_caches=self.policy.agent_caches,
-                                     git_dirs=inside)
+            self.policy = self._policy_with(manifest, hide_git=True, git_dirs=inside)
             self.git_masks = outside
             scope.policy = self.policy
             self.notices.append(f"{said}: every git directory is forbidden to the agent "
@@ -187,6 +187,13 @@ class Session:
             self.notices.append(f"WARNING: {said}: their contents ARE readable "
                                 "through git's object store in this run (paths.forbidden_in_git = \"warn\")")
         return scope
+
+    def _policy_with(self, manifest: Manifest, *, hide_git: bool, git_dirs: list[str]) -> PathPolicy:
+        """The run's policy, rebuilt with *hide_git* and the separate *git_dirs*."""
+        old = self.policy
+        return PathPolicy(manifest, git_config_existed=old.git_config_existed, hide_git=hide_git,
+                          git_state_locked=True, gitignore=old.gitignore, agent_files=old.agent_files,
+                          agent_caches=old.agent_caches, git_dirs=git_dirs, started_ns=old.started_ns)
 
     @property
     def guarded(self) -> bool:

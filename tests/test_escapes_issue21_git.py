@@ -257,6 +257,7 @@ for dirpath, _d, files in os.walk(sys.argv[1] + '/objects'):
         try: print(zlib.decompress(open(os.path.join(dirpath, n), 'rb').read()))
         except Exception as err: print('unread', n, err)
 " "$c"
+(echo 'touch /tmp/owned' > "$d/hooks/pre-commit") 2>/dev/null; echo hook=$?
 echo reads-done
 """
 
@@ -267,7 +268,11 @@ def test_a_workspace_whose_git_is_a_file_is_checked_and_hidden(
         tmp_path: Path, open_dir: Path, shape: str, user: str | None) -> None:
     ws = SHAPES[shape](open_dir)
     assert (ws / ".git").is_file()
+    git_dir = Path(_git(ws, "rev-parse", "--absolute-git-dir").strip())
     _check_three_ways(tmp_path, ws, user, "the index", script=SHAPE_READS, chown=(open_dir,))
+    # Wherever the git directory is, the agent wrote no hook there (a separate one inside the
+    # workspace is read-only: the mount judges git's updates by the name .git).
+    assert not (git_dir / "hooks/pre-commit").exists()
 
 
 LANE_MANIFEST = """

@@ -19,6 +19,8 @@ from guardfs.githistory import (
     secret_files,
     tail_spec,
 )
+from guardfs.manifest import parse_manifest
+from guardfs.policy import PathPolicy, Scope
 
 from .helpers import git_env
 
@@ -144,3 +146,17 @@ def test_a_store_past_the_bound_is_not_walked(tmp_path: Path) -> None:
         scan_repository(_root(ws), _secret, PATTERNS, max_objects=2)
     scan = check_workspace(str(ws), _secret, PATTERNS, max_objects=2)
     assert scan.problem is not None and "cannot check git's history" in scan.problem
+
+
+def test_a_separate_git_dir_inside_the_workspace_is_read_only_or_hidden() -> None:
+    manifest = parse_manifest('[task]\nid = "t"\ngoal = "g"\n[paths]\nallowed = ["gitdata/", "src/"]\n'
+                              'forbidden = [".env"]\n')
+    assert PathPolicy(manifest).classify("gitdata/hooks/pre-commit", False).scope is Scope.ALLOWED  # the control
+    policy = PathPolicy(manifest, git_dirs=["gitdata"])
+    assert policy.classify("gitdata/hooks/pre-commit", False).scope is Scope.PROTECTED
+    assert policy.classify("gitdata", True).scope is Scope.PROTECTED
+    assert policy.classify("src/a.py", False).scope is Scope.ALLOWED
+    hidden = PathPolicy(manifest, git_dirs=["gitdata"], hide_git=True)
+    assert hidden.classify("gitdata/objects/ab/cd", False).scope is Scope.FORBIDDEN
+    assert hidden.classify("lib/vendor/.git/objects/ab/cd", False).scope is Scope.FORBIDDEN  # nested too
+    assert hidden.classify("src/a.py", False).scope is Scope.ALLOWED
