@@ -236,6 +236,7 @@ class PathPolicy:
         self, manifest: Manifest, *, git_config_existed: bool = True, started_ns: int | None = None,
         hide_git: bool = False, git_state_locked: bool = False, gitignore: Sequence[str] = (),
         agent_files: Sequence[str] = (), agent_caches: Sequence[str] = (), git_dirs: Sequence[str] = (),
+        masked_git_dirs: Sequence[str] = (),
     ) -> None:
         self.manifest = manifest
         self.git_config_existed = git_config_existed
@@ -250,6 +251,10 @@ class PathPolicy:
         # updates by the name `.git` (git cannot commit there; nothing lands unjudged).
         self.hide_git = hide_git
         self.git_dirs = tuple(git_dirs)
+        #: Under "hide-git", the git directories outside the workspace the sandbox masks (a
+        #: linked worktree's common directory): their files' other names in the workspace
+        #: (hard links) are forbidden too (guardfs.links).
+        self.masked_git_dirs = tuple(masked_git_dirs)
         # A run that judges git's updates (guardfs.gitscope): its index and refs are read-only
         # but for the lock-file rename (and the unlink) that the mount judges itself.
         self.git_state_locked = git_state_locked

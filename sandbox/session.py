@@ -178,7 +178,7 @@ class Session:
         said = f"git holds secret path(s) {shown}" if where else (
             f"git's history was not checked ({history.problem}), so it may hold secrets")
         if mode == "hide-git":
-            self.policy = self._policy_with(manifest, hide_git=True, git_dirs=inside)
+            self.policy = self._policy_with(manifest, hide_git=True, git_dirs=inside, masked=outside)
             self.git_masks = outside
             scope.policy = self.policy
             self.notices.append(f"{said}: every git directory is forbidden to the agent "
@@ -188,12 +188,15 @@ class Session:
                                 "through git's object store in this run (paths.forbidden_in_git = \"warn\")")
         return scope
 
-    def _policy_with(self, manifest: Manifest, *, hide_git: bool, git_dirs: list[str]) -> PathPolicy:
-        """The run's policy, rebuilt with *hide_git* and the separate *git_dirs*."""
+    def _policy_with(self, manifest: Manifest, *, hide_git: bool, git_dirs: list[str],
+                     masked: list[str] | None = None) -> PathPolicy:
+        """The run's policy, rebuilt with *hide_git*, the separate *git_dirs* and the *masked*
+        git directories outside the workspace."""
         old = self.policy
         return PathPolicy(manifest, git_config_existed=old.git_config_existed, hide_git=hide_git,
                           git_state_locked=True, gitignore=old.gitignore, agent_files=old.agent_files,
-                          agent_caches=old.agent_caches, git_dirs=git_dirs, started_ns=old.started_ns)
+                          agent_caches=old.agent_caches, git_dirs=git_dirs, started_ns=old.started_ns,
+                          masked_git_dirs=masked or ())
 
     @property
     def guarded(self) -> bool:

@@ -345,3 +345,21 @@ def test_the_second_run_over_the_same_store_is_answered_from_the_cache(tmp_path:
     proc, _run = _guard_run(tmp_path, ws, "git log --oneline", None)
     assert proc.returncode == 65 and "(main~1)" in proc.stderr, proc.stderr
     assert "from the cache" not in proc.stderr
+
+
+@pytest.mark.parametrize("user", [None, "nobody"])
+def test_an_object_of_a_worktrees_outside_store_hard_linked_into_the_workspace_is_refused(
+        tmp_path: Path, open_dir: Path, user: str | None) -> None:
+    ws = _linked_worktree(open_dir)  # the store: open_dir/main/.git, outside the workspace, masked
+    blob = _git(ws, "rev-parse", "HEAD:.env").strip()
+    (ws / "vendor/lib").mkdir(parents=True)
+    (ws / "vendor/other").mkdir(parents=True)
+    (ws / "vendor/other/ok.txt").write_text("fine\n")
+    os.link(open_dir / "main/.git/objects" / blob[:2] / blob[2:], ws / "vendor/lib/data.bin")
+    proc, run_dir = _guard_run(tmp_path, ws, LANE_READ, user, manifest=LANE_MANIFEST, chown=(open_dir,))
+    out = _printed(run_dir)
+    assert "git directories outside the workspace masked" in proc.stderr, proc.stderr[-3000:]
+    assert "reads-done" in out, proc.stderr[-3000:]
+    assert SECRET.strip() not in out, out
+    assert "vendor/lib/data.bin refused 13" in out, out  # neither a lane nor the mount shows it
+    assert "vendor/other/ok.txt fine" in out, out

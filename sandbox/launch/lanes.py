@@ -39,7 +39,6 @@ import enum
 import fnmatch
 import os
 import stat
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,12 +159,11 @@ def _out_of_scope(root: Path, anchors: list[str], policy: PathPolicy, dev: int) 
 
 
 def plan_lanes(manifest: Manifest, workspace: Path, max_lanes: int = MAX_LANES, *,
-               policy: PathPolicy | None = None, git_dirs: Sequence[str] = ()) -> Lanes:
+               policy: PathPolicy | None = None) -> Lanes:
     """The fast lanes of *workspace* under *manifest*: directories no forbidden pattern can reach.
 
     *policy* is the mount's (``hide-git`` included: a lane must hide what the mount hides;
-    default: the manifest's alone); *git_dirs* are git directories outside the workspace the
-    sandbox masks (their objects' other names in a lane are kept behind the mount too)."""
+    default: the manifest's alone)."""
     lanes = Lanes()
     policy = policy if policy is not None else PathPolicy(manifest)
     root = workspace.resolve()
@@ -208,7 +206,7 @@ def plan_lanes(manifest: Manifest, workspace: Path, max_lanes: int = MAX_LANES, 
     candidates = _unreached(candidates, keyed, policy, lanes)
     if not candidates:
         return lanes
-    tainted = _hard_link_dirs(root, policy, candidates, _hidden_inodes(policy, git_dirs, dev))
+    tainted = _hard_link_dirs(root, policy, candidates)
     for tree in sorted(candidates):
         trees = _split(root, tree, patterns, tainted, dev, max_lanes, policy)
         if trees is None:
@@ -272,29 +270,13 @@ def _split(root: Path, tree: str, patterns: list[str], tainted: set[str], dev: i
     return sorted(out)
 
 
-def _hidden_inodes(policy: PathPolicy, git_dirs: Sequence[str], dev: int) -> set[int]:
-    """Inodes (on the workspace's filesystem *dev*) of the hard-linked files of the masked
-    git directories *git_dirs*, under ``hide-git``: a lane must not show them under another name."""
-    out: set[int] = set()
-    if not policy.hide_git:
-        return out
-    for top in git_dirs:
-        for dirpath, _dirs, filenames in os.walk(top):
-            for name in filenames:
-                with contextlib.suppress(OSError):
-                    st = os.lstat(os.path.join(dirpath, name))
-                    if st.st_nlink > 1 and st.st_dev == dev and stat.S_ISREG(st.st_mode):
-                        out.add(st.st_ino)
-    return out
-
-
-def _hard_link_dirs(root: Path, policy: PathPolicy, trees: list[str], hidden: set[int]) -> set[str]:
+def _hard_link_dirs(root: Path, policy: PathPolicy, trees: list[str]) -> set[str]:
     """The directories (and their ancestors) under *trees* that hold another name of a file
-    forbidden by name (with ``hide-git``, git's objects among them), or of one of the
-    *hidden* inodes: the mount refuses it under any name, a lane would not."""
+    forbidden by name (with ``hide-git``, git's objects among them, also those of a masked
+    git directory outside the workspace): the mount refuses it under any name, a lane would not."""
     backing = Backing(str(root))
     try:
-        inodes = set(forbidden_links(backing, policy)) | hidden
+        inodes = set(forbidden_links(backing, policy))
     finally:
         backing.close()
     out: set[str] = set()

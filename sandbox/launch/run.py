@@ -501,8 +501,7 @@ def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: E
         _say("fast lanes are off: they need the sandbox (not --no-isolation)")
         return []
     try:
-        lanes = plan_lanes(opts.manifest, opts.workspace, policy=session.policy if session else None,
-                           git_dirs=session.git_masks if session else ())
+        lanes = plan_lanes(opts.manifest, opts.workspace, policy=session.policy if session else None)
         argv = stage.bwrap_args(lanes, opts.workspace.resolve(), str(opts.workspace), staged=opts.user is not None)
     except OSError as err:  # a speed-up only: without it everything goes through the mount
         stage.cleanup()
