@@ -67,6 +67,8 @@ MAX_OBJECTS = 5_000_000
 MAX_SECONDS = 300.0
 #: Repositories the workspace may hold and the guard checks, at most (beyond: fail closed).
 MAX_REPOSITORIES = 200
+#: A store with more objects than this is said aloud before its first walk (it takes a while).
+_SAY_FROM = 100_000
 #: Commits named per secret path in a refusal, at most.
 _COMMITS_PER_PATH = 3
 #: Cache files kept (the oldest go first).
@@ -411,6 +413,10 @@ def _walk(repo: Repository, classify_path: _Secret, tails: pathspec.GitIgnoreSpe
     objects = _count_objects(common, deadline)
     if objects > max_objects:
         raise HistoryTooLarge(f"{objects} objects (the guard walks at most {max_objects})")
+    if objects > _SAY_FROM:
+        log.warning("checking git's history for secrets in %s: %d objects, not checked before; this can take "
+                    "a minute or more (at most %.0f s), and the next run over the same store pays nothing",
+                    repo.label, objects, MAX_SECONDS)
     found: dict[str, list[str]] = {}
     prefix = "" if repo.prefix in ("", None) else f"{repo.prefix}/"
     judge = classify_path if repo.prefix is not None else tails.match_file

@@ -4,6 +4,7 @@ cache and its key, and the bounds that make it fail closed."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -116,8 +117,14 @@ def test_the_repositories_of_a_workspace(tmp_path: Path) -> None:
     _repo(tmp_path / "main")
     _git(tmp_path / "main", "worktree", "add", "-q", str(ws / "wt"))
     _git(ws, "init", "-q", f"--separate-git-dir={tmp_path / 'store'}", str(ws / "sep"))
+    lib = _repo(tmp_path / "upstream")
+    _git(ws, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), "mods/up")
+    _git(ws, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), "mods/gone")
+    shutil.rmtree(ws / "mods/gone")  # its git directory stays in .git/modules: no work tree uses it
     found = {r.prefix: r for r in find_repositories(str(ws))}
-    assert set(found) == {"", "lib/vendor", "wt", "sep"}
+    assert set(found) == {"", "lib/vendor", "wt", "sep", "mods/up", None}
+    assert found["mods/up"].git_dir == str(ws / ".git/modules/mods/up")
+    assert found[None].git_dir == str(ws / ".git/modules/mods/gone")
     assert found["wt"].common_dir == str(tmp_path / "main/.git")
     assert found["wt"].git_dir == str(tmp_path / "main/.git/worktrees/wt")
     assert found["sep"].git_dir == found["sep"].common_dir == str(tmp_path / "store")
