@@ -676,10 +676,12 @@ class WorkspaceScan:
 
 
 def check_workspace(root: str, is_secret: _Secret, patterns: list[str], *, cache_dir: Path | None = None,
-                    max_objects: int = MAX_OBJECTS) -> WorkspaceScan:
+                    max_objects: int | None = None) -> WorkspaceScan:
     """:func:`scan_repository` for every repository of the workspace *root*
-    (:func:`find_repositories`); a problem (too large, too slow, unreadable) is said in
-    the result, never raised."""
+    (:func:`find_repositories`), each store of at most *max_objects* (default
+    :data:`MAX_OBJECTS`); a problem (too large, too slow, unreadable) is said in the
+    result, never raised."""
+    max_objects = MAX_OBJECTS if max_objects is None else max_objects
     out = WorkspaceScan()
     on_disk: dict[str, str] | None = None
 

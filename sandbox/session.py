@@ -160,16 +160,17 @@ class Session:
         shown = ", ".join(tracked[:20]) + (f" and {len(tracked) - 20} more" if len(tracked) > 20 else "")
         rules = ", ".join(sorted({self.policy.classify(p, False).describe() for p in tracked}))
         lives = "; ".join(f"{p}: {', '.join(dict.fromkeys(where[p]))}" for p in tracked[:10])
+        modes = ('set [paths] forbidden_in_git = "hide-git" (git unusable in the run) or "warn" (run with them '
+                 "readable through git)")
         way_out = ("remove them from git's history (`git filter-repo --invert-paths --path <path>`; for a "
                    "reflog, stash or unreachable object `git stash clear`, then `git reflog expire "
-                   "--expire-unreachable=now --all && git gc --prune=now`), or set [paths] forbidden_in_git = "
-                   '"hide-git" (git unusable in the run) or "warn" (run with them readable through git)')
+                   f"--expire-unreachable=now --all && git gc --prune=now`), or {modes}")
         if mode == "refuse":
             scope.close()
             if not where:
                 raise ForbiddenInGitError(
                     f"{history.problem}: a secret in it would be readable through git whatever the mount "
-                    f"refuses. Remove what it holds that you do not need, or {way_out.split(', or ', 1)[1]}")
+                    f"refuses. Remove what it holds that you do not need, or {modes}")
             raise ForbiddenInGitError(
                 f"git holds secret path(s) {shown} ({rules}), where: {lives}. Their contents are readable "
                 "through git (git show <commit>:<path>) whatever the mount refuses. If they must only never "

@@ -11,6 +11,8 @@ from pathlib import Path
 import pathspec
 import pytest
 
+import guardfs.githistory
+from guardfs.events import EventLog
 from guardfs.githistory import (
     HistoryTooLarge,
     Repository,
@@ -20,8 +22,10 @@ from guardfs.githistory import (
     secret_files,
     tail_spec,
 )
+from guardfs.gitscope import ForbiddenInGitError
 from guardfs.manifest import parse_manifest
 from guardfs.policy import PathPolicy, Scope
+from sandbox.session import Session
 
 from .helpers import git_env
 
@@ -167,3 +171,28 @@ def test_a_separate_git_dir_inside_the_workspace_is_read_only_or_hidden() -> Non
     assert hidden.classify("gitdata/objects/ab/cd", False).scope is Scope.FORBIDDEN
     assert hidden.classify("lib/vendor/.git/objects/ab/cd", False).scope is Scope.FORBIDDEN  # nested too
     assert hidden.classify("src/a.py", False).scope is Scope.ALLOWED
+
+
+@pytest.mark.parametrize("mode", ["refuse", "hide-git", "warn"])
+def test_a_store_too_large_to_check_fails_closed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """A store past the bound (here lowered: a real one has five million objects) is not
+    walked: "refuse" does not start, "hide-git" hides git, "warn" says it is unchecked."""
+    ws = _repo(tmp_path / "ws")
+    manifest = parse_manifest('[task]\nid = "t"\ngoal = "g"\n[paths]\nallowed = ["src/"]\nforbidden = [".env"]\n'
+                              f'forbidden_in_git = "{mode}"\n')
+    monkeypatch.setattr(guardfs.githistory, "MAX_OBJECTS", 2)
+    events = EventLog(tmp_path / "events.jsonl")
+    try:
+        if mode == "refuse":
+            with pytest.raises(ForbiddenInGitError, match=r"the guard walks at most 2.*cannot check git's history"):
+                Session(manifest, ws, events)
+            return
+        session = Session(manifest, ws, events)
+        try:
+            notice = " ".join(session.notices)
+            assert "git's history was not checked" in notice, notice
+            assert session.policy.hide_git is (mode == "hide-git")
+        finally:
+            session.close()
+    finally:
+        events.close()
