@@ -30,13 +30,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import shutil
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 from guardfs.backing import Backing
 from guardfs.decision import ALLOW, Request, Verdict
+from guardfs.harvest import remove_tree
 from guardfs.policy import Scope
 
 __all__ = ["SCRATCH_INO", "ScratchBacking"]
@@ -55,8 +55,8 @@ class ScratchBacking(Backing):
 
     def __init__(self, root: str, scratch_dir: Path) -> None:
         # A previous run's, left by a guard killed before its close: nothing of it is shown.
-        # mkdir then fails on anything still there (a symlink is never removed nor followed).
-        shutil.rmtree(scratch_dir, ignore_errors=True)
+        # mkdir then fails on anything still there (a symlink is removed, never followed).
+        _remove(scratch_dir)
         scratch_dir.mkdir(mode=0o700, parents=True)
         super().__init__(root)
         self.scratch_dir = scratch_dir
@@ -138,7 +138,7 @@ class ScratchBacking(Backing):
         """Release every fd, and remove the scratch directory: its output was the run's alone."""
         super().close()
         self.scratch.close()
-        shutil.rmtree(self.scratch_dir, ignore_errors=True)
+        _remove(self.scratch_dir)
 
     # ----- admission ------------------------------------------------------------------
 
@@ -199,3 +199,11 @@ class ScratchBacking(Backing):
         """*src* moved to *dst* inside scratch (*dst* became a root when it was admitted)."""
         if not exchange:
             self.removed(src)
+
+
+def _remove(scratch_dir: Path) -> None:
+    """Remove the scratch directory: the agent made all of it (a tree deeper than Python's stack,
+    directories of mode 000, symlinks), so guardfs.harvest does, which never raises for what a
+    tree holds; what it cannot remove is logged."""
+    for problem in remove_tree(scratch_dir):
+        log.warning("scratch layer: not removed: %s", problem)

@@ -16,15 +16,18 @@ tool names) is escaped for the format it lands in.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import os
+import stat
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from guardfs.errors import UsageError
-from guardfs.events import tally_kind
+from guardfs.events import printable, tally_kind
 
 __all__ = [
     "ANNOTATION_LIMIT", "ReportError", "RunRecord", "github_annotations", "github_step_summary", "load_run",
@@ -51,7 +54,7 @@ class RunRecord:
     trips: list[dict[str, Any]] = field(default_factory=list)
     denials: list[dict[str, Any]] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=lambda: {"steps": 0, "trips": 0, "denials": 0, "events": 0})
-    logs: list[Path] = field(default_factory=list)
+    logs: list[tuple[Path, int]] = field(default_factory=list)  # (path, size in bytes), regular files only
     bad_lines: int = 0  # lines of events.jsonl that were not JSON objects (a crash mid-write, say)
 
     @property
@@ -86,9 +89,28 @@ def load_run(run_dir: Path) -> RunRecord:
         for kind in ("denials", "trips"):
             if isinstance(counts.get(kind), int):
                 record.counts[kind] = counts[kind]
-    record.logs = sorted(p for p in [run_dir / "stdout.log", run_dir / "stderr.log",
-                                     *sorted((run_dir / "exec").glob("*.log"))] if p.is_file())
+    record.logs = _logs(run_dir)
     return record
+
+
+def _logs(run_dir: Path) -> list[tuple[Path, int]]:
+    """The run's logs with their sizes: regular files only, judged by lstat. A run directory
+    of an older guard may hold what an agent put in ``exec/`` (a symlink to a secret, a FIFO):
+    no link is followed, no target stat'ed, nothing opened."""
+    found = []
+    for path in (run_dir / "stdout.log", run_dir / "stderr.log"):
+        with contextlib.suppress(OSError):
+            st = path.lstat()
+            if stat.S_ISREG(st.st_mode):
+                found.append((path, st.st_size))
+    with contextlib.suppress(OSError):
+        if stat.S_ISDIR((run_dir / "exec").lstat().st_mode):
+            with os.scandir(run_dir / "exec") as entries:
+                for entry in entries:
+                    with contextlib.suppress(OSError):
+                        if entry.name.endswith(".log") and entry.is_file(follow_symlinks=False):
+                            found.append((Path(entry.path), entry.stat(follow_symlinks=False).st_size))
+    return sorted(found)
 
 
 def _take(record: RunRecord, raw: bytes) -> None:
@@ -249,10 +271,12 @@ def _logs_list(record: RunRecord) -> str:
     if not record.logs:
         return "<p class=muted>No logs in the run directory.</p>"
     items = []
-    for log in record.logs:
+    for log, size in record.logs:
         rel = os.path.relpath(log, record.run_dir)
-        items.append(f"<li><a href='{html.escape(rel, quote=True)}'>{html.escape(rel)}</a> "
-                     f"({log.stat().st_size:,} bytes)</li>")
+        # The name is the agent's, any bytes: the link by its bytes, percent-encoded; the text escaped.
+        items.append(f"<li><a href='{html.escape(urllib.parse.quote(os.fsencode(rel)), quote=True)}'>"
+                     f"{html.escape(printable(rel))}</a> "
+                     f"({size:,} bytes)</li>")
     return "<ul>" + "".join(items) + "</ul>"
 
 

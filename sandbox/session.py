@@ -23,7 +23,7 @@ from types import TracebackType
 from guardfs.accounting import WriteAccounting
 from guardfs.decision import Request, Verdict
 from guardfs.errors import GuardError
-from guardfs.events import EventLog
+from guardfs.events import EventLog, printable
 from guardfs.fs import GuardFS
 from guardfs.githistory import WorkspaceScan, check_workspace
 from guardfs.gitscope import ForbiddenInGitError, GitScope
@@ -287,9 +287,10 @@ class Session:
                 log.warning("the breaker asked for a rollback, but this guard keeps no pre-images")
             else:
                 try:
-                    self.rollback()
-                except GuardError as err:  # a tampered store: nothing restored, the run goes on
+                    self._rollback("last", "breaker")
+                except (GuardError, OSError) as err:  # a tampered store, or its disk failed: the run goes on
                     log.error("the breaker asked for a rollback, and it was refused: %s", err)
+                    self.breaker.rolled_back("breaker", "last", 0, {"": f"the rollback was refused: {err}"}, {})
         for listener in list(self._listeners):
             listener(effects)
 
@@ -297,5 +298,24 @@ class Session:
         """Restore the workspace to restore point *to* (``start``, ``last`` or a label);
         returns how many paths changed. GuardFS records the one ``rollback`` event. Raises
         :class:`~guardfs.checkpoint.CheckpointError`, changing nothing, for an unknown
-        point or a tampered store. Call from the event loop, outside any request."""
-        return len(self.fs.rollback(to))
+        point or a tampered store. Call from the event loop, outside any request.
+
+        What the rollback could not put back (named with the reason) and what it moved aside
+        go to the ledger and the console; the rest is restored, and the run goes on."""
+        return self._rollback(to, "operator")
+
+    def _rollback(self, to: str, by: str) -> int:
+        restored = len(self.fs.rollback(to))
+        assert self.fs.preimages is not None  # fs.rollback refuses a guard without them
+        done = self.fs.preimages.last_rollback
+        failed, aside = (done.failed, done.moved_aside) if done is not None else ({}, {})
+        for path, why in failed.items():
+            log.error("rollback (asked by the %s) did NOT restore %s: %s", by, printable(path), printable(why))
+        if failed:
+            log.error("rollback left %d path(s) as they were; every restore point is kept: clear the way and "
+                      "run guard rollback --run-dir %s --to %s", len(failed), self.run_dir, to)
+        for path, where in aside.items():
+            log.warning("rollback moved %s aside to %s (it held bytes no restore point keeps)", printable(path),
+                        where)
+        self.breaker.rolled_back(by, to, restored, failed, aside)
+        return restored

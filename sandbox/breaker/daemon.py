@@ -437,6 +437,8 @@ class Daemon:
             restored = self.on_rollback(to)
         except GuardError as err:  # no such restore point, or a tampered store: nothing changed
             return error_reply(str(err))
+        except OSError as err:  # the store's own disk failed (what the workspace refused is in the result)
+            return error_reply(f"the rollback failed: {err}; see the guard's console and the ledger")
         return {"v": VERSION, "ok": True, "state": self.breaker.state.value, "restored": restored}
 
     def _dispatch(self, msg: Any, kind: str) -> dict[str, Any]:

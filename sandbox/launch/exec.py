@@ -2,7 +2,9 @@
 
 Inside ``guard run`` an agent (or its harness) runs test and build commands through it:
 the output goes to logs under ``$GUARD_RUN_DIR/exec/`` (under ``guard run``, a directory
-of the run directory on the host, bound into the sandbox, so the logs outlive the run),
+of the guard's bound into the sandbox; the guard copies its regular files into
+``RUN_DIR/exec/`` once the agent has ended, each cut at the cap, and names whatever else the
+agent left there in the run's summary: :mod:`guardfs.harvest`),
 each capped at ``$GUARD_LOG_MAX_BYTES`` (head and tail kept, as the agent's own logs; the
 manifest's ``[sandbox] log_max_bytes``), the console gets a digest
 (exit status, the failing lines in at most 1,200 characters, the logs' paths: where they

@@ -37,19 +37,24 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import logging
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pathspec
 
+from guardfs import harvest
 from guardfs.backing import Backing
 from guardfs.decision import Verdict
 from guardfs.links import forbidden_links
 from guardfs.manifest import Manifest
 from guardfs.policy import GENERATED_RULE, GUARD_DIR, PathPolicy, Scope
 from sandbox.launch.lanes import StagedTrees
+
+log = logging.getLogger(__name__)
 
 __all__ = ["MAX_MASKS", "MAX_SCAN", "MAX_TREES", "SCRATCH_LEFT", "MidRunRules", "NativeStage", "NativeTrees",
            "bind_writable", "plan_native", "strip_set_id"]
@@ -404,7 +409,7 @@ def _masks(root: Path, tree: str, manifest: Manifest, limit: int,
     policy = PathPolicy(manifest)
     files: list[str] = []
     dirs: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root / tree):
+    for dirpath, dirnames, filenames in _walk(str(root / tree)):
         rel = os.path.relpath(dirpath, root)
         keep = []
         for name in dirnames:
@@ -427,6 +432,23 @@ def _masks(root: Path, tree: str, manifest: Manifest, limit: int,
     return files, dirs
 
 
+def _walk(top: str) -> Iterator[tuple[str, list[str], list[str]]]:
+    """``os.walk(top)`` (top down, *dirnames* prunable, no link followed, unreadable directories
+    skipped) without its recursion: a tree an agent left deeper than Python's stack (1,000
+    levels) raised RecursionError at the next run's start."""
+    stack = [top]
+    while stack:
+        dirpath = stack.pop()
+        try:
+            with os.scandir(dirpath) as entries:
+                listed = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+        except OSError:
+            continue  # gone, unreadable, or past PATH_MAX: bubblewrap could bind nothing there either
+        dirnames = [name for name, is_dir in listed if is_dir]
+        yield dirpath, dirnames, [name for name, is_dir in listed if not is_dir]
+        stack += [os.path.join(dirpath, name) for name in reversed(dirnames)]
+
+
 def _linked(path: str, inodes: set[int] | frozenset[int]) -> bool:
     """Whether *path* is another name of a file in *inodes*."""
     try:
@@ -443,33 +465,17 @@ def strip_set_id(root: Path, trees: list[str]) -> list[str]:
     The mount never lets a chmod set them (guardfs.fs), but natively a root agent owns what
     it writes and may set them with no capability: a root program left for the next local
     user to run. Directories keep set-group-ID (group inheritance), as through the mount.
-    Nothing of the agent runs any more, so nothing races this walk; symlinks are not followed."""
+    Nothing of the agent runs any more, so nothing races this walk; it is
+    :func:`guardfs.harvest.strip_set_id`'s: from a held directory fd, never through a symlink,
+    at any depth (``os.walk`` recursed: a tree 1,000 levels deep raised RecursionError after the
+    run, and one past PATH_MAX kept its set-user-ID files)."""
     stripped: list[str] = []
     for tree in trees:
-        if _symlinked_parent(root, tree) is not None:
-            continue
-        for dirpath, _, filenames in os.walk(root / tree):
-            for name in filenames:
-                path = os.path.join(dirpath, name)
-                try:
-                    if os.lstat(path).st_mode & (stat.S_ISUID | stat.S_ISGID) and _strip(path):
-                        stripped.append(os.path.relpath(path, root))
-                except OSError:
-                    continue  # gone, or not a file we may open: nothing to run
+        changed, problems = harvest.strip_set_id(root, tree)
+        stripped += changed
+        for problem in problems:
+            log.warning("native tree %s: not swept for set-user/group-ID files (look there by hand): %s", tree, problem)
     return stripped
-
-
-def _strip(path: str) -> bool:
-    """Clear set-user-ID and set-group-ID of regular file *path* (never through a symlink)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            return False
-        os.fchmod(fd, stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID))
-        return True
-    finally:
-        os.close(fd)
 
 
 def bind_writable(source: str, target: str) -> None:

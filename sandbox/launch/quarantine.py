@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from guardfs.events import printable
+
 __all__ = ["DIGEST_LIMIT", "LOG_MAX_BYTES", "Recorder", "digest"]
 
 DIGEST_LIMIT = 1200
@@ -57,7 +59,8 @@ class Recorder:
         self._ring = max_bytes - self._head
         # Written with pwrite, every chunk at once (no user-space buffer): a guard killed
         # mid-run loses nothing the agent printed before.
-        self._fd: int | None = os.open(log, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)  # the record: its owner only
+        # The record: its owner only; never written through a symlink someone put at its name.
+        self._fd: int | None = os.open(log, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         self._base = os.lseek(self._fd, 0, os.SEEK_END)  # a log of an earlier run here is kept before ours
         self._echo = echo
         self.bytes = 0
@@ -124,9 +127,9 @@ class Recorder:
             f"{self._head} and the last {self._ring} bytes (log_max_bytes = {self.max_bytes})]\n"
         ).encode()
         tmp = self.path.with_name(self.path.name + ".unroll")
-        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
-            src = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            src = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
             try:
                 at = _copy(src, out, 0, head_end, 0)
                 _pwrite_all(out, memoryview(marker), at)
@@ -240,7 +243,7 @@ def digest(status: str, logs: list[Path], limit: int = DIGEST_LIMIT, *, failed: 
     for where_log, number, raw in [*reversed(last), *reversed(failing)]:
         if (where_log, number) in picked:
             continue
-        line = raw if len(raw) <= 200 else raw[:197] + "..."
+        line = _shown(raw)
         if len(line) + 1 > budget:
             break
         picked[(where_log, number)] = line
@@ -250,6 +253,20 @@ def digest(status: str, logs: list[Path], limit: int = DIGEST_LIMIT, *, failed: 
     if len(text) > limit:  # only if the log paths alone are too long
         text = text[: limit - 3] + "..."
     return text
+
+
+#: What starts a workflow command of a CI runner (GitHub Actions' ``::cmd::``, Azure's and the
+#: older runner's ``##[cmd]``): a log line that does is the agent's text, never a command.
+_COMMANDS = ("::", "##[", "##vso[")
+
+
+def _shown(raw: str) -> str:
+    """A log line (the agent's bytes) as the digest prints it: at most 200 characters, control
+    characters escaped (no escape sequence reaches a terminal), and a line a CI runner would
+    take for a workflow command (``::stop-commands::``, which would silence the guard's own
+    annotations) marked as the agent's."""
+    line = printable(raw if len(raw) <= 200 else raw[:197] + "...")
+    return f"(agent) {line}" if line.lstrip().startswith(_COMMANDS) else line
 
 
 def console() -> BinaryIO | None:

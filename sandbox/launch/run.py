@@ -35,6 +35,7 @@ import trio
 from guardfs.accounting import WriteAccounting
 from guardfs.errors import UsageError
 from guardfs.events import EventLog, printable
+from guardfs.harvest import harvest, remove_tree
 from guardfs.manifest import Manifest, outside_secrets
 from guardfs.mount import check_fuse_available, init_mount, keepalive, mount_options
 from sandbox.agents import Event, to_messages
@@ -108,6 +109,7 @@ class _Outcome:
     failure: dict[str, str] | None = None  # the guard's own defect: what it was, where its traceback is
     stop_on_terminal: bool = True  # a terminal trip stops the run; else it freezes the agent (terminal_action)
     console: LiveConsole | None = None  # the lines of denials and trips on the guard's stderr
+    left: list[str] = field(default_factory=list)  # what the agent left in guard exec's stage, not kept as it was
 
     def recorder(self, log: Path, echo: BinaryIO | None, cap: int) -> Recorder:
         """A new quarantine log of the agent's, kept for the summary."""
@@ -206,7 +208,7 @@ def _run(opts: RunOptions, bwrap: str | None, started: list[bool]) -> int:
         events.close()
         lane_stage.cleanup()
         native_stage.cleanup()
-        _clear_stage(stage, run_dir)
+        _after_run(stage, opts, outcome)
     _ledger_failure(run_dir, session.daemon, outcome.failure)  # after the daemon's last write
     status = _exit_status(outcome)
     _summary(opts, breaker, accounting, events, outcome, status)
@@ -239,18 +241,42 @@ def _say_where(opts: RunOptions) -> None:
     _say(f"run directory {opts.run_dir}")
 
 
-def _clear_stage(stage: Path, run_dir: Path) -> None:
-    """Empty and remove the staging directory once the mount is gone; guard exec's logs move
-    into the run directory, the agent's copied login is not kept."""
-    _keep_exec_logs(stage, run_dir)
+def _clear_stage(stage: Path, run_dir: Path, cap: int) -> list[str]:
+    """Empty and remove the staging directory once the mount is gone; guard exec's logs are
+    copied into the run directory, the agent's copied login is not kept. Returns what the
+    summary says of what the agent left there (guardfs.harvest: all of it hostile input)."""
+    notes = _keep_exec_logs(stage, run_dir, cap)
     (stage / "unreadable").unlink(missing_ok=True)
-    shutil.rmtree(stage / AGENT_STATE, ignore_errors=True)  # copies of the user's login: not kept
+    # Copies of the user's login, and whatever the agent made beside them: not kept.
+    notes += [f"not removed: {p}" for p in remove_tree(stage / AGENT_STATE)]
+    _drop_stage(stage, run_dir)
+    return notes
+
+
+def _drop_stage(stage: Path, run_dir: Path) -> None:
+    """The staging directory's mount point gone (a tmpfs of the guard's: whatever the agent
+    left in it goes with it)."""
     with contextlib.suppress(OSError):
         (stage / "mnt").rmdir()
     if stage != run_dir:
         unbind(str(stage))
         with contextlib.suppress(OSError):
             stage.rmdir()
+
+
+def _after_run(stage: Path, opts: RunOptions, outcome: _Outcome) -> None:
+    """:func:`_clear_stage`, its notes for the summary. Nothing the agent left there may make
+    the guard fail: a defect of ours that still escapes is recorded as the guard's failure
+    (the ledger, STATE.md and the summary say so; exit 70), and the stage is dropped all the same."""
+    try:
+        outcome.left = _clear_stage(stage, opts.run_dir, opts.manifest.sandbox.log_max_bytes)
+    except Exception as err:
+        if outcome.failure is None:
+            outcome.failure = _record_failure(opts.run_dir, err, after=outcome.status)
+        with contextlib.suppress(Exception):
+            remove_tree(stage / AGENT_STATE)  # the user's login copies never stay, whatever failed
+        with contextlib.suppress(Exception):
+            _drop_stage(stage, opts.run_dir)
 
 
 def _stage(opts: RunOptions) -> tuple[Path, bool]:
@@ -280,16 +306,30 @@ def _sandbox_tool(opts: RunOptions) -> str | None:
     return None
 
 
-def _keep_exec_logs(stage: Path, run_dir: Path) -> None:
-    """Move guard exec's logs, written in the staging directory by an agent of another
-    user (who cannot reach the run directory), into the run directory."""
-    staged, dest = stage / "exec", run_dir / "exec"
-    if stage == run_dir or not staged.is_dir():
-        return
-    dest.mkdir(mode=0o700, exist_ok=True)
-    for entry in staged.iterdir():
-        shutil.move(entry, dest / entry.name)
-    staged.rmdir()
+#: What a guard exec log holds beyond its cap: the quarantine's marker line between head and tail.
+_EXEC_LOG_SLACK = 4096
+
+
+def _keep_exec_logs(stage: Path, run_dir: Path, cap: int) -> list[str]:
+    """Copy guard exec's logs into RUN_DIR/exec: from the staging directory (where an agent of
+    another user, who cannot reach the run directory, writes them) and from RUN_DIR/exec itself
+    (an unprivileged guard's stage, or --no-isolation), moved aside first. The agent wrote all of
+    it: only regular files are kept, each cut at the log cap (*cap*) and copied by its data (a
+    sparse file's holes are not written out); the rest is named in the returned notes, and what
+    the agent left is removed. See guardfs.harvest."""
+    dest, aside = run_dir / "exec", run_dir / "exec.left"
+    sources = []
+    notes = [f"not removed: {p}" for p in remove_tree(aside)]  # a killed guard's
+    if os.path.lexists(dest):
+        os.rename(dest, aside)
+        sources.append(aside)
+    if stage != run_dir:
+        sources.append(stage / "exec")
+    for source in sources:
+        kept = harvest(source, dest, cap + _EXEC_LOG_SLACK)
+        notes += kept.notes()
+        notes += [f"not removed: {p}" for p in remove_tree(source)]
+    return notes
 
 
 def _serve(
@@ -353,15 +393,20 @@ def _ledger_failure(run_dir: Path, daemon: Daemon, failure: dict[str, str] | Non
         write_ledger(run_dir, {**daemon.snapshot(), "guard_failure": failure})
 
 
-def _record_failure(run_dir: Path, err: Exception) -> dict[str, str]:
-    """Write the traceback of the guard's own failure into the run directory; say where."""
+def _record_failure(run_dir: Path, err: Exception, after: int | None = None) -> dict[str, str]:
+    """Write the traceback of the guard's own failure into the run directory; say where.
+    *after*: the agent had already ended, with that status (the failure came after it)."""
     path = run_dir / "guard-error.log"
     path.write_text("".join(traceback.format_exception(err)), errors="backslashreplace")
     leaf: BaseException = err
     while isinstance(leaf, BaseExceptionGroup) and leaf.exceptions:  # trio's nurseries wrap it
         leaf = leaf.exceptions[0]
-    _say(f"internal error ({type(leaf).__name__}): the guard failed and stopped the agent; traceback in {path}")
-    return {"error": type(leaf).__name__, "message": str(leaf)[:500], "traceback": str(path)}
+    what = "stopped the agent" if after is None else f"after the agent had ended (status {after})"
+    _say(f"internal error ({type(leaf).__name__}): the guard failed {what}; traceback in {path}")
+    failure = {"error": type(leaf).__name__, "message": str(leaf)[:500], "traceback": str(path)}
+    if after is not None:
+        failure["after_agent"] = str(after)
+    return failure
 
 
 def _exit_status(outcome: _Outcome) -> int:
@@ -864,6 +909,10 @@ async def _on_signals(tree: ProcessTree, outcome: _Outcome) -> None:
             return
 
 
+#: Notes on guard exec's stage the summary shows (the rest are counted).
+_LEFT_SHOWN = 8
+
+
 def _summary(opts: RunOptions, breaker: Breaker, accounting: WriteAccounting, events: EventLog,
              outcome: _Outcome, status: int) -> None:
     if outcome.console is not None:
@@ -896,15 +945,24 @@ def _summary(opts: RunOptions, breaker: Breaker, accounting: WriteAccounting, ev
         f"  run directory: {opts.run_dir} (stdout.log, stderr.log, events.jsonl, ledger.json, STATE.md)",
         *(f"  output capped: {r.describe()}" for r in outcome.recorders if r.dropped),
     ]
+    if outcome.left:  # the agent's names, escaped by guardfs.harvest; the first few, and how many
+        shown = outcome.left[:_LEFT_SHOWN] + ([f"... {len(outcome.left) - _LEFT_SHOWN} more"]
+                                              if len(outcome.left) > _LEFT_SHOWN else [])
+        lines.append("  guard exec's stage (written by the agent; only regular files are kept, each cut at "
+                     "log_max_bytes): " + "; ".join(shown))
     if outcome.failure is not None:
-        lines.insert(1, f"  GUARD FAILED: internal error ({outcome.failure['error']}); the agent was stopped; "
-                        f"traceback in {outcome.failure['traceback']}")
+        after = outcome.failure.get("after_agent")
+        lines.insert(1, f"  GUARD FAILED: internal error ({outcome.failure['error']}); " + (
+            "the agent was stopped" if after is None else f"after the agent had ended with status {after}")
+            + f"; traceback in {outcome.failure['traceback']}")
     if opts.ci:
         logs = [opts.run_dir / "stdout.log", opts.run_dir / "stderr.log"]
         what = f"agent exited with status {outcome.status}" if outcome.tripped is None else \
             f"agent stopped by the breaker ({outcome.tripped.value})"
         if outcome.failure is not None:
-            what = f"the guard failed (internal error, traceback in {outcome.failure['traceback']}); agent stopped"
+            what = f"the guard failed (internal error, traceback in {outcome.failure['traceback']}); " + (
+                "agent stopped" if "after_agent" not in outcome.failure else
+                f"after the agent had ended with status {outcome.failure['after_agent']}")
         print(digest(what, logs, failed=status != 0), flush=True)
         _github(opts.run_dir, status)
     _say("\n".join(lines))
