@@ -22,12 +22,15 @@ import time
 from guardfs.backing import Backing, openat2
 from guardfs.policy import Classification, PathPolicy, Scope
 
-__all__ = ["HARD_LINK_KEY", "forbidden_links"]
+__all__ = ["GIT_LINK_KEY", "HARD_LINK_KEY", "forbidden_links"]
 
 log = logging.getLogger(__name__)
 
 #: The rule named when a file is forbidden through another name of it.
 HARD_LINK_KEY = "paths.forbidden (a hard link of a forbidden file)"
+#: The rule named when a file is another name of a file of a git directory outside the
+#: workspace that "hide-git" masks (PathPolicy.masked_git_dirs).
+GIT_LINK_KEY = "paths.forbidden_in_git (a hard link of a hidden git directory's file)"
 
 # A directory the walk cannot enter: another filesystem mounted inside the workspace (the
 # mount refuses it, EXDEV), or one that vanished or is unreadable (the host changes the
@@ -99,6 +102,25 @@ def forbidden_links(backing: Backing, policy: PathPolicy) -> dict[int, Classific
                         found[st.st_ino] = Classification(Scope.FORBIDDEN, HARD_LINK_KEY, where.pattern)
         finally:
             os.close(fd)
+    if policy.hide_git:
+        found.update(_masked_git_links(policy.masked_git_dirs, root_dev))
     log.info("forbidden by inode: %d hard-linked forbidden file(s) among %d names, %.2f s",
              len(found), walked, time.monotonic() - started)
+    return found
+
+
+def _masked_git_links(git_dirs: tuple[str, ...], dev: int) -> dict[int, Classification]:
+    """Inode → verdict for each file with other names, on the workspace's filesystem *dev*,
+    of the masked git directories *git_dirs* (a loose object or pack that ``git clone
+    --local`` or ``cp -al`` linked into the workspace)."""
+    found: dict[int, Classification] = {}
+    for top in git_dirs:
+        for dirpath, _dirs, filenames in os.walk(top):
+            for name in filenames:
+                try:
+                    st = os.lstat(os.path.join(dirpath, name))
+                except OSError:
+                    continue
+                if st.st_nlink > 1 and st.st_dev == dev and stat.S_ISREG(st.st_mode):
+                    found[st.st_ino] = Classification(Scope.FORBIDDEN, GIT_LINK_KEY, "hide-git")
     return found

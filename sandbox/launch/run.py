@@ -25,7 +25,7 @@ import termios
 import time
 import traceback
 import tty
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -181,20 +181,22 @@ def _run(opts: RunOptions, bwrap: str | None, started: list[bool],
     _say_where(opts)
     stop_on_terminal = _say_terminal_action(opts)
     events = EventLog(run_dir / "events.jsonl", caps=opts.manifest.record)
-    lane_stage = LaneStage(stage)
-    lane_args = _fast_lanes(opts, bwrap, lane_stage, events)
-    native_stage = NativeStage(stage)
-    native_args, planned = _native_generated(opts, bwrap, native_stage, events, private)
-    lane_args += native_args
-    outcome = _Outcome(binder=_midrun_binder(opts, bwrap, private, events, planned),
-                       stop_on_terminal=stop_on_terminal, console=_live_console(events, run_dir), sockets=sockets)
     with open(run_dir / "workspace", "w", opener=lambda p, f: os.open(p, f, 0o600)) as marker:
         marker.write(str(opts.workspace))  # for an offline guard rollback
     session = Session(opts.manifest, opts.workspace, events, run_dir=run_dir, agent_path=stage / "agent.sock",
                       checkpoints=True, cache_timeout=opts.cache_timeout, xattrs=opts.xattrs,
                       # the agent's own files in the workspace (the agents' table)
                       agent_files=AGENTS[opts.agent].own_files if opts.agent in AGENTS else (),
-                      agent_caches=AGENTS[opts.agent].own_caches if opts.agent in AGENTS else ())
+                      agent_caches=AGENTS[opts.agent].own_caches if opts.agent in AGENTS else (),
+                      git_cache=user_runs().parent / "git-history")
+    lane_stage = LaneStage(stage)
+    # Planned with the mount's own policy ("hide-git" included: a lane never shows what the mount hides).
+    lane_args = _fast_lanes(opts, bwrap, lane_stage, events, session)
+    native_stage = NativeStage(stage)
+    native_args, planned = _native_generated(opts, bwrap, native_stage, events, private)
+    lane_args += native_args
+    outcome = _Outcome(binder=_midrun_binder(opts, bwrap, private, events, planned),
+                       stop_on_terminal=stop_on_terminal, console=_live_console(events, run_dir), sockets=sockets)
     for notice in session.notices:
         _say(notice)
     if outcome.binder is not None:
@@ -466,7 +468,8 @@ def _search_path(env: Mapping[str, str]) -> str:
 
 def _agent_argv(
     opts: RunOptions, bwrap: str | None, daemon: Daemon, pty: bool, mnt: Path, lane_args: list[str],
-    filter_fd: int | None = None, removals: bool = False, sockets: list[str] | None = None,
+    filter_fd: int | None = None, removals: bool = False, sockets: list[str] | None = None, *,
+    git_masks: Sequence[str] = (),
 ) -> tuple[list[str], Path, dict[str, str]]:
     # An agent of another user gets an allowlist of the guard's (root's) environment; an agent
     # of the guard's own user, that user's environment as it started guard.
@@ -524,7 +527,7 @@ def _agent_argv(
     installed = installation(executable, search, str(opts.workspace.resolve())) | reveal(_readable(opts, home))
     masks = host_secrets(own_home, other_runs)
     writable = [str(p) for p in _extra_writable(opts)] + ([str(state)] if state else [])
-    secrets = _credential_stores(opts, home, masks, writable, installed)
+    secrets = _credential_stores(opts, home, masks, writable, installed) + _git_masks(opts, git_masks)
     argv = bwrap_argv(
         bwrap=bwrap, mountpoint=str(mnt), workspace=str(opts.workspace), run_dir=str(opts.run_dir),
         agent_socket=str(daemon.agent_path), cwd=str(cwd), command=command,
@@ -546,7 +549,8 @@ def _agent_argv(
     return argv, Path("/"), env
 
 
-def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: EventLog) -> list[str]:
+def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: EventLog,
+                session: Session | None = None) -> list[str]:
     """bubblewrap arguments for the run's fast lanes (see sandbox.launch.lanes), said aloud and
     recorded as an event; none when the manifest declares none or there is no sandbox."""
     settings = opts.manifest.sandbox
@@ -556,7 +560,7 @@ def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: E
         _say("fast lanes are off: they need the sandbox (not --no-isolation)")
         return []
     try:
-        lanes = plan_lanes(opts.manifest, opts.workspace)
+        lanes = plan_lanes(opts.manifest, opts.workspace, policy=session.policy if session else None)
         argv = stage.bwrap_args(lanes, opts.workspace.resolve(), str(opts.workspace), staged=opts.user is not None)
     except OSError as err:  # a speed-up only: without it everything goes through the mount
         stage.cleanup()
@@ -644,6 +648,22 @@ def _credential_stores(opts: RunOptions, home: str, masks: HostMasks, writable: 
     return found
 
 
+def _git_masks(opts: RunOptions, git_dirs: Sequence[str]) -> list[str]:
+    """The git directories outside the workspace that "hide-git" masks in the sandbox (a
+    linked worktree's common directory, a separate git directory), said aloud; for an agent
+    of another user, those it can reach (its bubblewrap could mask no other, and it cannot
+    read them anyway)."""
+    if opts.user is not None:
+        pw = pwd.getpwnam(opts.user)
+        groups = set(os.getgrouplist(pw.pw_name, pw.pw_gid))
+        git_dirs = [d for d in git_dirs if reachable_by(os.path.join(d, "_"), pw.pw_uid, groups)]
+    found = [d for d in git_dirs if os.path.isdir(d)]
+    if found:
+        _say(f"git directories outside the workspace masked (paths.forbidden_in_git = \"hide-git\"): "
+             f"{printable(', '.join(found))}")
+    return found
+
+
 def _extra_writable(opts: RunOptions) -> list[Path]:
     out = []
     for entry in opts.manifest.sandbox.writable:
@@ -666,7 +686,8 @@ async def _run_agent(
         handover, fds = _filter_socket(bwrap, streams)
         argv, cwd, env = _agent_argv(opts, bwrap, daemon, use_pty, mnt, lane_args, fds[0] if fds else None,
                                      removals=outcome.binder is not None,
-                                     sockets=[named.path for named in outcome.sockets[0]])
+                                     sockets=[named.path for named in outcome.sockets[0]],
+                                     git_masks=session.git_masks)
         async with trio.open_nursery() as nursery:
             if use_pty:
                 master, slave = _openpty(opts.user)
