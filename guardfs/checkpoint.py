@@ -2,8 +2,16 @@
 
 Before guardfs lets a path change for the first time after a restore point, it records how
 the path was: absent, a directory (its mode), a symlink (its target), or a file (its mode
-and a copy of its bytes). The index is a JSON-lines file appended and flushed as it goes,
-so it survives the guard being killed; ``guard rollback`` replays it in reverse.
+and a copy of its bytes), with its owner (and a file's inode). The index is a JSON-lines
+file appended and flushed as it goes, so it survives the guard being killed; ``guard
+rollback`` replays it in reverse.
+
+A rollback trusts nothing it finds in the workspace: it works from the root's descriptor
+only (openat2 one component at a time, never through a symlink or into another mount),
+replaces whatever stands at or above a restored path where the record says something else
+was, moves aside (into the run directory, by rename) what would lose bytes no record keeps,
+and names each path it still cannot put back (:class:`_Restorer`); it never raises for
+what the agent left.
 
 Restore points are generations: ``0000`` holds the pre-images of the run's start, each
 checkpoint (an operator's, or a passing test the agent reports) starts the next one, and
@@ -41,7 +49,7 @@ from typing import NotRequired, TextIO, TypedDict
 
 import trio
 
-from guardfs.backing import Backing
+from guardfs.backing import Backing, openat2
 from guardfs.errors import Exit, GuardError
 from guardfs.events import Emit
 
@@ -59,6 +67,8 @@ _NO_SHORTCUT = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno
 #: The default of ``[sandbox] checkpoint_max_bytes``.
 CHECKPOINT_MAX_BYTES = 1 << 30
 _LAST_ROLLBACK = "last-rollback.json"
+#: In the run directory: what a rollback took away that held bytes no restore point keeps.
+_ASIDE = "rollback-aside"
 _POINTS = "points.jsonl"  # {"generation": n, "label": text}: which restore point each generation starts
 _CURRENT = "current"
 _INDEX = "index.jsonl"
@@ -69,7 +79,7 @@ _BLOB_NAME = re.compile(r"[0-9]{8}")
 _KINDS = frozenset({"absent", "dir", "symlink", "fifo", "file", "unrestorable", "generated"})
 #: Whether a path (a directory when the flag says so) is generated output (paths.generated).
 Generated = Callable[[str, bool], bool]
-_FIELDS = frozenset({"path", "kind", "mode", "target", "size", "blob"})
+_FIELDS = frozenset({"path", "kind", "mode", "target", "size", "blob", "ino", "uid", "gid"})
 
 
 class CheckpointError(GuardError):
@@ -113,6 +123,9 @@ class _Record(TypedDict):
     target: NotRequired[str]  # symlink
     size: NotRequired[int]  # unrestorable
     blob: NotRequired[str]  # file: its copy's name in the generation directory
+    ino: NotRequired[int]  # its inode then: a rollback knows the file wherever the agent moved it
+    uid: NotRequired[int]  # its owner then: a guard running as root gives it back
+    gid: NotRequired[int]
 
 
 @dataclass
@@ -125,6 +138,14 @@ class Rollback:
     #: Generated output written since the restore point (its top-most generated directory,
     #: or the file): never kept, so left as it is (``[paths] generated``).
     generated: list[str] = field(default_factory=list)
+    #: Paths that could not be put back (something in the way the rollback could not take
+    #: away), each with the reason. A rollback with any keeps its restore points, so that it
+    #: can be run again once the obstacle is gone.
+    failed: dict[str, str] = field(default_factory=dict)
+    #: What stood at a restored path and held bytes no restore point keeps (made where the
+    #: guard did not see it, or a file too large to keep, moved there): moved whole, by
+    #: rename, from the path (key) to the run directory's ``rollback-aside/`` (value).
+    moved_aside: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -136,6 +157,8 @@ class _Copy:
     blob: Path
     generation: int
     cost: int  # bytes of data counted against the cap
+    ino: int  # the file's inode, recorded with it
+    owner: tuple[int, int]  # and its owner
     done: trio.Event | None = None  # None until a request starts the copy; set when it ended
     error: OSError | None = None
 
@@ -258,15 +281,18 @@ class PreImages:
             return
         # Never setuid, setgid or sticky: a rollback (maybe as root) must not make such a file.
         mode = stat.S_IMODE(st.st_mode) & 0o777
+        uid, gid = st.st_uid, st.st_gid
         if stat.S_ISDIR(st.st_mode):
-            self._write({"path": path, "kind": "dir", "mode": mode})
+            self._write({"path": path, "kind": "dir", "mode": mode, "uid": uid, "gid": gid})
         elif stat.S_ISLNK(st.st_mode):
             dir_fd, name = self.backing.parent(path)
-            self._write({"path": path, "kind": "symlink", "target": os.readlink(name, dir_fd=dir_fd)})
+            self._write({"path": path, "kind": "symlink", "target": os.readlink(name, dir_fd=dir_fd),
+                         "uid": uid, "gid": gid})
         elif stat.S_ISREG(st.st_mode):
             cost = min(st.st_size, st.st_blocks * 512)  # the data; a sparse file's holes are free
             if self.used + cost > self.max_bytes:
-                self._write({"path": path, "kind": "unrestorable", "mode": mode, "size": st.st_size})
+                self._write({"path": path, "kind": "unrestorable", "mode": mode, "size": st.st_size,
+                             "ino": st.st_ino})
                 if self._emit is not None:
                     self._emit("preimage", path, "allow", rule="sandbox.checkpoint_max_bytes", restorable=False,
                                reason=f"keeping {cost} bytes of {path} would pass checkpoint_max_bytes="
@@ -280,9 +306,9 @@ class PreImages:
             self.used += cost
             self._used_by[self.generation] = self._used_by.get(self.generation, 0) + cost
             blob = self._dir() / f"{self._blobs:08d}"
-            self._pending[path] = _Copy(path, mode, blob, self.generation, cost)
+            self._pending[path] = _Copy(path, mode, blob, self.generation, cost, st.st_ino, (st.st_uid, st.st_gid))
         elif stat.S_ISFIFO(st.st_mode):
-            self._write({"path": path, "kind": "fifo", "mode": mode})
+            self._write({"path": path, "kind": "fifo", "mode": mode, "uid": uid, "gid": gid})
 
     async def _settle(self, wanted: Callable[[str], bool]) -> None:
         """Complete the pending copies of the paths *wanted* picks: run each that no request
@@ -319,7 +345,8 @@ class PreImages:
                 copy.blob.unlink()
         else:
             if copy.generation == self.generation:
-                self._write({"path": copy.path, "kind": "file", "mode": copy.mode, "blob": copy.blob.name})
+                self._write({"path": copy.path, "kind": "file", "mode": copy.mode, "blob": copy.blob.name,
+                             "ino": copy.ino, "uid": copy.owner[0], "gid": copy.owner[1]})
         finally:
             if src >= 0:
                 os.close(src)
@@ -374,12 +401,22 @@ class PreImages:
         result = _restore_to(self.backing, self.store, self.generation, target, on_changed)
         self.last_rollback = result
         if self._emit is not None:
+            for path, why in result.failed.items():
+                self._emit("rollback", path, "allow", restored=False, rule="rollback", reason=f"{path} was not "
+                           f"restored: {why}")
+            for path, where in result.moved_aside.items():
+                self._emit("rollback", path, "allow", restored=True, rule="rollback", moved_to=where,
+                           reason=f"what stood at {path} holds bytes no restore point keeps: moved to {where}")
             for path in result.not_restorable:
                 self._emit("rollback", path, "allow", restored=False, rule="sandbox.checkpoint_max_bytes",
                            reason=f"{path} was not restored: its pre-image passed checkpoint_max_bytes")
             for path in result.generated:
                 self._emit("rollback", path, "allow", restored=False, rule="paths.generated",
                            reason=f"{path} is generated output: never kept, so not restored")
+        if result.failed:
+            # Every restore point is kept as it was, so that the rollback can run again once
+            # the way is clear; what this one put back stays recorded as it was then.
+            return result.restored
         self._index.close()
         self._index = None
         self._pending = {}
@@ -516,6 +553,13 @@ def _check_record(rec: object) -> str | None:
         return "a symlink record needs a target"
     if "size" in rec and (not isinstance(rec["size"], int) or rec["size"] < 0):
         return "the size must be a count of bytes"
+    for key in ("uid", "gid"):
+        if key in rec and (not isinstance(rec[key], int) or isinstance(rec[key], bool) or rec[key] < 0
+                           or kind in ("absent", "generated")):
+            return f"the {key} must be a number, on a record of something that was there"
+    if "ino" in rec and (not isinstance(rec["ino"], int) or isinstance(rec["ino"], bool) or rec["ino"] < 0
+                         or kind not in ("file", "unrestorable")):
+        return "only a file record has an inode, a number"
     return None
 
 
@@ -587,21 +631,38 @@ def _restore_to(
     backing: Backing, store: Path, current: int, target: int, on_changed: Callable[[str], None] | None,
 ) -> Rollback:
     """Replay the generations from *current* down to *target*: the workspace as it was at
-    restore point *target*. Every index is validated before anything changes."""
+    restore point *target*. Every index is validated before anything changes; a path that
+    cannot be put back is named in the result (:attr:`Rollback.failed`), never raised."""
     _check_private(store, "checkpoint store")
     records = {g: _records(store / f"{g:04d}") for g in range(current, target - 1, -1)}
+    known = _Known.of([rec for recs in records.values() for rec in recs])
     restored: list[str] = []
     not_restorable: set[str] = set()
     generated: set[str] = set()
-    for g, recs in records.items():  # newest first
-        done = _restore(backing, store / f"{g:04d}", recs, on_changed)
-        generated |= set(done.generated)
-        not_restorable -= set(done.restored)  # an older point had its bytes
-        not_restorable |= set(done.not_restorable)
-        restored += [p for p in done.restored if p not in restored]
-    result = Rollback([p for p in restored if p not in not_restorable], sorted(not_restorable), sorted(generated))
+    failed: dict[str, str] = {}
+    moved: dict[str, str] = {}
+    aside = Path(os.path.abspath(store.parent / _ASIDE))  # named in the output: absolute
+    backing.forget_dirs()  # whatever it cached may name what the rollback replaces
+    try:
+        for g, recs in records.items():  # newest first
+            done = _Restorer(backing.root_fd, store / f"{g:04d}", aside, known).restore(recs)
+            generated |= set(done.generated)
+            not_restorable -= set(done.restored)  # an older point had its bytes
+            not_restorable |= set(done.not_restorable)
+            failed = {p: why for p, why in failed.items() if p not in done.restored}  # an older point's fixed it
+            failed.update(done.failed)
+            moved.update(done.moved_aside)
+            restored += [p for p in done.restored if p not in restored]
+            if on_changed is not None:
+                for path in [*done.restored, *done.failed]:
+                    on_changed(path)
+    finally:
+        backing.forget_dirs()
+    result = Rollback([p for p in restored if p not in not_restorable and p not in failed], sorted(not_restorable),
+                      sorted(generated), dict(sorted(failed.items())), moved)
     _write_private(store / _LAST_ROLLBACK, json.dumps(
-        {"restored": result.restored, "not_restorable": result.not_restorable, "generated": result.generated}) + "\n")
+        {"restored": result.restored, "not_restorable": result.not_restorable, "generated": result.generated,
+         "failed": result.failed, "moved_aside": result.moved_aside}) + "\n")
     return result
 
 
@@ -616,25 +677,6 @@ def _forget_after(store: Path, current: int, target: int) -> None:
     _write_private(store / _POINTS, "".join(f"{line}\n" for line in [json.dumps(
         {"generation": 0, "label": "start"}), *kept]))
     _write_private(store / _CURRENT, str(target))
-
-
-def _remove(backing: Backing, path: str) -> None:
-    try:
-        st = backing.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(st.st_mode):
-        dir_fd, name = backing.parent(path)
-        os.unlink(name, dir_fd=dir_fd)
-        return
-    # Children before parents: the walk's order reversed (no recursion on the tree's depth).
-    for below, is_dir in [*reversed(list(backing.walk(path))), (path, True)]:
-        dir_fd, name = backing.parent(below)
-        if is_dir:
-            os.rmdir(name, dir_fd=dir_fd)
-        else:
-            os.unlink(name, dir_fd=dir_fd)
-    backing.forget_dirs()
 
 
 def _at_checkpoint(records: list[_Record]) -> list[_Record]:
@@ -653,56 +695,302 @@ def _at_checkpoint(records: list[_Record]) -> list[_Record]:
     return out
 
 
-def _restore(
-    backing: Backing, generation_dir: Path, validated: list[_Record], on_changed: Callable[[str], None] | None,
-) -> Rollback:
-    """Restore one generation's *validated* records (read from *generation_dir*)."""
-    everything = _at_checkpoint(validated)
-    # A file whose pre-image passed the cap stays as it is, in both passes; so does
-    # generated output, of which nothing was kept.
-    records = [r for r in everything if r["kind"] not in ("unrestorable", "generated")]
-    not_restorable = sorted({r["path"] for r in everything if r["kind"] == "unrestorable"})
-    generated = sorted({r["path"] for r in everything if r["kind"] == "generated"})
-    # Deepest first: take away what did not exist; then shallowest first: put back the rest.
-    for rec in sorted(records, key=lambda r: -r["path"].count("/")):
-        try:
-            current = backing.lstat(rec["path"])
-        except FileNotFoundError:
-            continue
-        if rec["kind"] == "dir" and stat.S_ISDIR(current.st_mode):
-            continue  # kept; what changed inside it has records of its own
-        _remove(backing, rec["path"])
-    for rec in sorted(records, key=lambda r: r["path"].count("/")):
-        kind, path = rec["kind"], rec["path"]
-        if kind == "absent":
-            continue
-        dir_fd, name = backing.parent(path)
-        if kind == "dir":
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(name, rec["mode"], dir_fd=dir_fd)
-            os.chmod(name, rec["mode"], dir_fd=dir_fd)
-        elif kind == "symlink":
-            os.symlink(rec["target"], name, dir_fd=dir_fd)
-        elif kind == "fifo":
-            os.mkfifo(name, rec["mode"], dir_fd=dir_fd)
-        elif kind == "file":
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, rec["mode"], dir_fd=dir_fd)
+class _Blocked(Exception):
+    """*path* (a directory on the way to a restored path) is *what* now, not a directory."""
+
+    def __init__(self, path: str, what: str) -> None:
+        super().__init__(path, what)
+        self.path = path
+        self.what = what
+
+
+_KIND_WORDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a file"), (stat.S_ISLNK, "a symlink"),
+               (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"))
+
+
+def _kind_of(st: os.stat_result) -> str:
+    """What *st* is, in words."""
+    return next((word for test, word in _KIND_WORDS if test(st.st_mode)), "something else")
+
+
+def _open_dir(root_fd: int, path: str) -> int:
+    """An O_PATH fd of directory *path* beneath *root_fd* (the caller closes it), reached one
+    component at a time with openat2: never through a symlink, never into another mount.
+    Raises _Blocked naming the first component that is not a directory (or is missing)."""
+    fd = os.dup(root_fd)
+    walked: list[str] = []
+    try:
+        for name in path.split("/") if path else ():
+            walked.append(name)
             try:
-                src = os.open(generation_dir / rec["blob"], os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                below = openat2(fd, name, os.O_PATH | os.O_DIRECTORY)
+            except OSError as err:
+                where = "/".join(walked)
+                if err.errno == errno.ENOENT:
+                    raise _Blocked(where, "missing") from None
+                if err.errno == errno.EXDEV:
+                    raise _Blocked(where, "a mount point") from None
+                if err.errno not in (errno.ENOTDIR, errno.ELOOP):
+                    raise
                 try:
-                    if not stat.S_ISREG(os.fstat(src).st_mode):
-                        raise CheckpointError(f"{generation_dir / rec['blob']} is not a copy the guard made")
-                    _clone(src, fd)
-                finally:
-                    os.close(src)
-                os.fchmod(fd, rec["mode"])
+                    what = _kind_of(os.stat(name, dir_fd=fd, follow_symlinks=False))
+                except OSError:
+                    what = "not a directory"
+                raise _Blocked(where, what) from None
+            os.close(fd)
+            fd = below
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _set_mode_at(dir_fd: int, name: str, rec: _Record, is_kind: Callable[[int], bool]) -> None:
+    """Give *name* in *dir_fd* the owner (as root) and mode *rec* records, through an O_PATH
+    fd of the entry itself (openat2: never a symlink, never another mount's root), once it
+    proved to be of the kind *is_kind* tests."""
+    try:
+        fd = openat2(dir_fd, name, os.O_PATH)
+    except OSError as err:
+        if err.errno == errno.EXDEV:
+            raise OSError(err.errno, f"{rec['path']} is a mount point: unmount it") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not is_kind(st.st_mode):
+            raise OSError(errno.EEXIST, f"{_kind_of(st)} is in the way")
+        if "uid" in rec and os.geteuid() == 0:
+            os.chown(f"/proc/self/fd/{fd}", rec["uid"], rec.get("gid", -1))
+        os.chmod(f"/proc/self/fd/{fd}", rec["mode"])
+    finally:
+        os.close(fd)
+
+
+def _scan(root_fd: int, path: str) -> list[tuple[str, os.stat_result]]:
+    """Everything beneath directory *path*, parents before children, each lstat'ed; symlinks
+    are not followed, and one directory is open at a time (the agent decides the depth)."""
+    out: list[tuple[str, os.stat_result]] = []
+    stack = [path]
+    while stack:
+        top = stack.pop()
+        fd = openat2(root_fd, top, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with os.scandir(fd) as it:
+                listing = [(f"{top}/{de.name}", de.stat(follow_symlinks=False)) for de in it]
+        finally:
+            os.close(fd)
+        out += listing
+        stack += [sub for sub, st in listing if stat.S_ISDIR(st.st_mode)]
+    return out
+
+
+@dataclass(frozen=True)
+class _Known:
+    """What the restore points being replayed account for, to tell what a rollback may
+    delete (the agent made it, or its pre-image goes back elsewhere) from what it must move
+    aside (nothing else keeps its bytes)."""
+
+    paths: frozenset[str]  # named by a record: made or changed under the guard's eye
+    generated: frozenset[str]  # roots of generated output (regenerable, never kept)
+    kept: frozenset[int]  # inodes of files whose bytes a record keeps (moved since, maybe)
+    lost: frozenset[int]  # inodes of files recorded as not restorable (their bytes are nowhere else)
+
+    @classmethod
+    def of(cls, records: list[_Record]) -> _Known:
+        """What *records* (of every generation replayed) account for."""
+        def inodes(kind: str) -> frozenset[int]:
+            return frozenset(r["ino"] for r in records if r["kind"] == kind and "ino" in r)
+        return cls(frozenset(r["path"] for r in records if r["kind"] not in ("unrestorable", "generated")),
+                   frozenset(r["path"] for r in records if r["kind"] == "generated"), inodes("file"),
+                   inodes("unrestorable"))
+
+    def deletable(self, path: str, st: os.stat_result) -> bool:
+        """Whether a rollback may delete what is at *path* (*st*) without losing bytes."""
+        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+            return True  # a directory, a symlink, a FIFO, a socket, a device node, an empty file: no data
+        if st.st_ino in self.lost:
+            return False
+        parts = path.split("/")
+        if any("/".join(parts[:i]) in self.generated for i in range(1, len(parts) + 1)):
+            return True
+        return path in self.paths or st.st_ino in self.kept
+
+
+class _Restorer:
+    """Puts one generation's records back (read from *generation_dir*), working only from
+    the workspace's root fd: every directory is opened with openat2 one component at a time
+    and every entry is touched through its parent's fd, never by a path string the kernel
+    resolves again. Whatever stands where a record says something else was (a symlink, a
+    FIFO, a socket, a device node, a directory where a file was or a file where a directory
+    was) is taken away first: deleted when the agent made it or its bytes go back elsewhere,
+    else moved whole into *aside* (the run directory's) and named. What still cannot be done
+    is named in :attr:`Rollback.failed` with the reason; the rest goes on."""
+
+    def __init__(self, root_fd: int, generation_dir: Path, aside: Path, known: _Known) -> None:
+        self.root_fd = root_fd
+        self.generation_dir = generation_dir
+        self.aside = aside
+        self.known = known
+        self.failed: dict[str, str] = {}
+        self.moved_aside: dict[str, str] = {}
+
+    def restore(self, validated: list[_Record]) -> Rollback:
+        """Restore *validated* (this generation's records)."""
+        everything = _at_checkpoint(validated)
+        # A file whose pre-image passed the cap stays as it is, in both passes; so does
+        # generated output, of which nothing was kept.
+        records = [r for r in everything if r["kind"] not in ("unrestorable", "generated")]
+        not_restorable = sorted({r["path"] for r in everything if r["kind"] == "unrestorable"})
+        generated = sorted({r["path"] for r in everything if r["kind"] == "generated"})
+        # Deepest first: take away what was not there; then shallowest first: put back the rest.
+        for rec in sorted(records, key=lambda r: -r["path"].count("/")):
+            self._guarded(rec["path"], self._take_away_if_changed, rec)
+        for rec in sorted(records, key=lambda r: r["path"].count("/")):
+            if rec["kind"] != "absent":
+                self._guarded(rec["path"], self._put_back, rec)
+        done = [r["path"] for r in records if r["path"] not in self.failed]
+        return Rollback(done, not_restorable, generated, self.failed, self.moved_aside)
+
+    def _guarded(self, path: str, step: Callable[[_Record], None], rec: _Record) -> None:
+        """Run one *step* for *rec*; what the filesystem refuses is a failure of *path*."""
+        if path in self.failed:
+            return
+        try:
+            step(rec)
+        except _Blocked as err:
+            self.failed[path] = (f"its directory {err.path} is {err.what} now, where the restore point has a "
+                                 "directory: it was changed where the guard did not see it, or could not be "
+                                 "restored itself; move it out of the way")
+        except OSError as err:
+            self.failed[path] = f"{err.strerror or err}"
+
+    def _take_away_if_changed(self, rec: _Record) -> None:
+        head, _, name = rec["path"].rpartition("/")
+        try:
+            parent = _open_dir(self.root_fd, head)
+        except _Blocked:
+            return  # not there as such: its directory is replaced by its own record, or named then
+        try:
+            try:
+                st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            except FileNotFoundError:
+                return
+            if rec["kind"] == "dir" and stat.S_ISDIR(st.st_mode):
+                return  # kept; what changed inside it has records of its own
+            self._take_away(parent, rec["path"], name, st)
+        finally:
+            os.close(parent)
+
+    def _take_away(self, parent: int, path: str, name: str, st: os.stat_result) -> None:
+        """Delete what is at *path* (*name* in *parent*, *st*), or move it aside whole when
+        that would lose bytes that nothing else keeps."""
+        where = f"{_kind_of(st)} is at {path} where the restore point has something else"
+        if not stat.S_ISDIR(st.st_mode):
+            if self.known.deletable(path, st):
+                _unlink(parent, name, where)
+            else:
+                self._move_aside(parent, path, name, where)
+            return
+        try:
+            tree = _scan(self.root_fd, path)
+        except OSError as err:
+            raise OSError(err.errno, f"{where}, and it cannot be listed: {err.strerror}") from None
+        if not all(self.known.deletable(sub, sub_st) for sub, sub_st in tree):
+            self._move_aside(parent, path, name, where)
+            return
+        for sub, sub_st in reversed(tree):  # children before parents
+            head, _, below = sub.rpartition("/")
+            below_fd = _open_dir(self.root_fd, head)
+            try:
+                if stat.S_ISDIR(sub_st.st_mode):
+                    _rmdir(below_fd, below, f"{where}, and {sub} in it")
+                else:
+                    _unlink(below_fd, below, f"{where}, and {sub} in it")
+            finally:
+                os.close(below_fd)
+        _rmdir(parent, name, where)
+
+    def _move_aside(self, parent: int, path: str, name: str, where: str) -> None:
+        """Move *name* (in *parent*, at *path*) into the run directory, whole, by rename."""
+        _private_dir(self.aside)
+        number = 1 + max((int(n) for n in os.listdir(self.aside) if n.isdigit()), default=0)
+        dest = self.aside / f"{number:04d}" / path
+        for level in reversed(dest.parents[:len(Path(path).parts)]):  # aside/NNNN and the path's directories
+            _private_dir(level)
+        dest_fd = os.open(dest.parent, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.rename(name, dest.name, src_dir_fd=parent, dst_dir_fd=dest_fd)
+        except OSError as err:
+            hint = " (the run directory is on another filesystem)" if err.errno == errno.EXDEV else ""
+            raise OSError(err.errno, f"{where}, and holds bytes no restore point keeps; moving it aside to "
+                          f"{dest} failed{hint}: {err.strerror}. Move it away yourself") from None
+        finally:
+            os.close(dest_fd)
+        self.moved_aside[path] = str(dest)
+
+    def _put_back(self, rec: _Record) -> None:
+        kind, path = rec["kind"], rec["path"]
+        head, _, name = path.rpartition("/")
+        parent = _open_dir(self.root_fd, head)
+        try:
+            if kind == "dir":
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o700, dir_fd=parent)
+                _set_mode_at(parent, name, rec, stat.S_ISDIR)
+            elif kind == "symlink":
+                os.symlink(rec["target"], name, dir_fd=parent)
+                _chown_at(parent, name, rec)
+            elif kind == "fifo":
+                os.mkfifo(name, 0o600, dir_fd=parent)
+                _set_mode_at(parent, name, rec, stat.S_ISFIFO)
+            elif kind == "file":
+                self._put_back_file(parent, name, rec)
+        except FileExistsError:
+            raise OSError(errno.EEXIST, f"something is still at {path}, where the restore point has "
+                          f"{'a directory' if kind == 'dir' else 'a ' + kind}: move it away") from None
+        finally:
+            os.close(parent)
+
+    def _put_back_file(self, parent: int, name: str, rec: _Record) -> None:
+        blob = self.generation_dir / rec["blob"]
+        src = os.open(blob, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            if not stat.S_ISREG(os.fstat(src).st_mode):
+                raise CheckpointError(f"{blob} is not a copy the guard made")
+            # The recorded permission bits only: never setuid, setgid or sticky (validated).
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=parent)
+            try:
+                _clone(src, fd)
+                if "uid" in rec and os.geteuid() == 0:
+                    os.fchown(fd, rec["uid"], rec.get("gid", -1))
+                os.fchmod(fd, rec["mode"])  # after the owner: set-ID bits are never restored anyway
             finally:
                 os.close(fd)
-    changed = [r["path"] for r in records]
-    if on_changed is not None:
-        for path in changed:
-            on_changed(path)
-    return Rollback(changed, not_restorable, generated)
+        finally:
+            os.close(src)
+
+
+def _chown_at(parent: int, name: str, rec: _Record) -> None:
+    """Give symlink *name* (in *parent*, just made) its recorded owner, when the guard may (as
+    root); a guard running as a user restores only what that user owns anyway."""
+    if "uid" in rec and os.geteuid() == 0:
+        os.chown(name, rec["uid"], rec.get("gid", -1), dir_fd=parent, follow_symlinks=False)
+
+
+def _unlink(parent: int, name: str, where: str) -> None:
+    try:
+        os.unlink(name, dir_fd=parent)
+    except OSError as err:
+        raise OSError(err.errno, f"{where}, and it cannot be removed: {err.strerror}") from None
+
+
+def _rmdir(parent: int, name: str, where: str) -> None:
+    try:
+        os.rmdir(name, dir_fd=parent)
+    except OSError as err:
+        raise OSError(err.errno, f"{where}, and it cannot be removed: {err.strerror}") from None
 
 
 def last_rollback(store: Path) -> Rollback | None:
@@ -711,7 +999,8 @@ def last_rollback(store: Path) -> Rollback | None:
         data = json.loads((store / _LAST_ROLLBACK).read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
-    return Rollback(list(data["restored"]), list(data["not_restorable"]), list(data.get("generated", [])))
+    return Rollback(list(data["restored"]), list(data["not_restorable"]), list(data.get("generated", [])),
+                    dict(data.get("failed", {})), dict(data.get("moved_aside", {})))
 
 
 def _current(store: Path) -> int:
@@ -740,5 +1029,6 @@ def rollback_offline(workspace: str, store: Path, to: str = "last") -> Rollback:
         result = _restore_to(backing, store, current, target, None)
     finally:
         backing.close()
-    _forget_after(store, current, target)
+    if not result.failed:  # else kept, so that the rollback can run again once the way is clear
+        _forget_after(store, current, target)
     return result

@@ -439,9 +439,12 @@ class GuardFS(pyfuse3.Operations):
             raise FUSEError(errno.ENOTSUP)
         changed = self.preimages.rollback(to=to)
         by_path = {e.path: e for e in self.inodes if not e.virtual}
+        # Only a directory the kernel knows and still there: not the inode of a symlink or a
+        # removed directory the rollback replaced (its number may be a file's by now).
+        dirs = {e.path: e for e in self.inodes if not e.virtual and e.is_dir and not e.nameless}
         for path in changed:
             self._rolled_back(path)
-            parent = by_path.get(path.rpartition("/")[0])
+            parent = self._still_there(dirs.get(path.rpartition("/")[0]))
             name = pyfuse3.FileNameT(os.fsencode(path.rpartition("/")[2]))
             if parent is not None:
                 pyfuse3.invalidate_entry_async(pyfuse3.InodeT(parent.ino), name, ignore_enoent=True)
@@ -451,6 +454,16 @@ class GuardFS(pyfuse3.Operations):
         self.events.emit("rollback", "", "allow", paths=len(changed))
         return changed
 
+    def _still_there(self, entry: Entry | None) -> Entry | None:
+        """*entry*, if its path still names the same directory in the backing (after a rollback)."""
+        if entry is None:
+            return None
+        try:
+            st = self.backing.lstat(entry.path)
+        except OSError:
+            return None
+        return entry if stat.S_ISDIR(st.st_mode) and st.st_ino == entry.backing_ino else None
+
     def _rolled_back(self, path: str) -> None:
         """Tell the accounting what a rollback left at *path*, so that the content history
         ends with what the file holds (a version put back, or its end if it is gone)."""
@@ -458,7 +471,7 @@ class GuardFS(pyfuse3.Operations):
             return
         try:
             st = self.backing.lstat(path)
-        except (FileNotFoundError, NotADirectoryError):
+        except OSError:  # gone, or beneath what is no directory now (a symlink the rollback put back)
             self.accounting.removed(path)
             return
         if stat.S_ISREG(st.st_mode):

@@ -388,6 +388,18 @@ def _check_writable(path: str) -> str:
     return path
 
 
+def _check_unix_socket(entry: str) -> str:
+    if entry.startswith("@"):
+        if len(entry) < 2 or len(entry.encode()) > 107:
+            raise ValueError(f"{entry!r}: an abstract socket's name follows the '@' (at most 107 bytes)")
+        return entry
+    full = os.path.expanduser(entry)
+    if not os.path.isabs(full) or ".." in full.split("/"):
+        raise ValueError(f"{entry!r} must be an absolute path (or start with ~), without '..', "
+                         "or '@name' for an abstract socket")
+    return entry
+
+
 def _check_lane(path: str) -> str:
     parts = path.strip("/").split("/")
     if path.startswith("/") or not path.strip("/"):
@@ -479,9 +491,22 @@ class SandboxSettings(_Strict):
         default="host",
         description=(
             "'host' (default): the agent shares the host's network, as it must to reach its "
-            "model: it can connect to anything the host can, the host's 127.0.0.1 listeners and "
-            "abstract unix sockets included. 'none': a network namespace of its own with "
+            "model: it can connect to anything the host can over TCP and UDP, the host's "
+            "127.0.0.1 listeners included (never to the host's unix sockets, abstract or not, "
+            "but those unix_sockets names). 'none': a network namespace of its own with "
             "loopback only (for agents with a local model, or steps that need no network)."
+        ),
+    )
+
+    unix_sockets: list[Annotated[str, AfterValidator(_check_unix_socket)]] = Field(
+        default_factory=list,
+        description=(
+            "Unix sockets of the host the agent may connect to, in either network mode (an "
+            "ssh-agent's, say): paths (absolute, or starting with ~, the agent's home), each of "
+            "which must exist and be a socket when the run starts (it is shown in the sandbox at "
+            "the same path), or '@name' for an abstract socket (reachable only in 'host' mode). "
+            "Every other socket of the host is refused (EACCES, recorded); the guard's agent socket "
+            "and sockets the agent makes itself (under /tmp, in the workspace) always work."
         ),
     )
 

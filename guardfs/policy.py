@@ -55,6 +55,8 @@ _MANIFEST_RULE = f"built-in: a manifest ({DEFAULT_MANIFEST}, in any directory) i
 _STAND_IN = "\x01guard-generated-tree\x01"
 # Paths whose verdicts PathPolicy keeps at most (about 200 bytes each).
 _MEMO_MAX = 1 << 16
+_SEPARATE_GIT_DIR_RULE = ("built-in: a git directory a gitfile names under another name than .git (git's "
+                          "updates there are not judged, so it is read-only)")
 
 
 def read_gitignore(workspace: str | os.PathLike[str]) -> list[str]:
@@ -233,7 +235,8 @@ class PathPolicy:
     def __init__(
         self, manifest: Manifest, *, git_config_existed: bool = True, started_ns: int | None = None,
         hide_git: bool = False, git_state_locked: bool = False, gitignore: Sequence[str] = (),
-        agent_files: Sequence[str] = (), agent_caches: Sequence[str] = (),
+        agent_files: Sequence[str] = (), agent_caches: Sequence[str] = (), git_dirs: Sequence[str] = (),
+        masked_git_dirs: Sequence[str] = (),
     ) -> None:
         self.manifest = manifest
         self.git_config_existed = git_config_existed
@@ -241,8 +244,17 @@ class PathPolicy:
         #: there before the run (file times lag the clock by a tick at most, in that
         #: direction: a file from before the start never looks newer).
         self.started_ns = time.time_ns() if started_ns is None else started_ns
-        # paths.forbidden_in_git = "hide-git" and git tracks a forbidden path: .git/ is forbidden.
+        # paths.forbidden_in_git = "hide-git" and git holds a secret: every git directory is
+        # forbidden (each `.git`, at any depth, and *git_dirs*). *git_dirs*: the
+        # workspace-relative git directories a gitfile names under another name than `.git`
+        # (`git init --separate-git-dir`): read-only otherwise, since the mount judges git's
+        # updates by the name `.git` (git cannot commit there; nothing lands unjudged).
         self.hide_git = hide_git
+        self.git_dirs = tuple(git_dirs)
+        #: Under "hide-git", the git directories outside the workspace the sandbox masks (a
+        #: linked worktree's common directory): their files' other names in the workspace
+        #: (hard links) are forbidden too (guardfs.links).
+        self.masked_git_dirs = tuple(masked_git_dirs)
         # A run that judges git's updates (guardfs.gitscope): its index and refs are read-only
         # but for the lock-file rename (and the unlink) that the mount judges itself.
         self.git_state_locked = git_state_locked
@@ -258,6 +270,7 @@ class PathPolicy:
         #: The .gitignore patterns treated as generated (paths.generated_from_gitignore).
         self.gitignore = list(gitignore) if paths.generated_from_gitignore else []
         self._gitignored = pathspec.GitIgnoreSpec.from_lines(self.gitignore)
+        self.agent_files, self.agent_caches = tuple(agent_files), tuple(agent_caches)  # kept to rebuild it
         own = ((agent_files, Scope.GENERATED), (agent_caches, Scope.GENERATED_OUTSIDE))
         self._agent_own = [(pathspec.GitIgnoreSpec.from_lines(p), list(p), scope) for p, scope in own if p]
         # Memo of classify: a verdict depends only on the path, whether it is a directory and
@@ -283,12 +296,15 @@ class PathPolicy:
         probe = path + "/" if is_dir else path
         if path == GUARD_DIR or path.startswith(GUARD_DIR + "/"):
             return Classification(Scope.PROTECTED, "built-in: the guard's own files")
-        if self.hide_git and (path == ".git" or path.startswith(".git/")):
+        in_git_dir = any(path == d or path.startswith(d + "/") for d in self.git_dirs)
+        if self.hide_git and (in_git_dir or ".git" in path.split("/")):
             return Classification(Scope.FORBIDDEN, "paths.forbidden_in_git", "hide-git")
         tree = self._tree_above(path)
         secret = self._secret(probe, tree)
         if secret is not None:
             return secret
+        if in_git_dir:
+            return Classification(Scope.PROTECTED, _SEPARATE_GIT_DIR_RULE)
         if path.rpartition("/")[2] == DEFAULT_MANIFEST and tree is None:
             # Not only the root's: any directory can be a later run's workspace (one outside every
             # repository, a repository the agent makes there with git init), whose guard run then

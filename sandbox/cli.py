@@ -502,8 +502,9 @@ def _no_guard(run_dir: Path, err: Exception, more: str = "") -> UnavailableError
 
 def _say_rolled_back(run_dir: Path, to: str) -> int:
     """Report the last rollback of *run_dir* (to restore point *to*), naming each file it
-    could not restore."""
+    could not restore; exits CANTCREAT when something could not be put back."""
     from guardfs.checkpoint import last_rollback
+    from guardfs.events import printable
 
     point = {"last": "the last checkpoint", "start": "the run's start"}.get(to, f"checkpoint {to!r}")
     done = last_rollback(run_dir / "checkpoint")
@@ -511,6 +512,9 @@ def _say_rolled_back(run_dir: Path, to: str) -> int:
         print(f"restored the workspace to {point}")
         return Exit.OK
     print(f"restored {len(done.restored)} path(s) to {point}")
+    for path, where in done.moved_aside.items():
+        print(f"moved aside: {printable(path)} -> {printable(where)} (it stood where the restore point has "
+              "something else and held bytes no restore point keeps; recover what you need from there)")
     for path in done.not_restorable:
         shown = path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
         print(f"NOT restored: {shown} (its pre-image would have passed [sandbox] checkpoint_max_bytes; "
@@ -520,6 +524,13 @@ def _say_rolled_back(run_dir: Path, to: str) -> int:
                           for p in done.generated[:5])
         more = f" and {len(done.generated) - 5} more" if len(done.generated) > 5 else ""
         print(f"NOT restored: generated output {shown}{more} ([paths] generated: never kept; left as it is)")
+    for path, why in done.failed.items():
+        print(f"NOT restored: {printable(path)}: {printable(why)}", file=sys.stderr)
+    if done.failed:
+        print(f"guard rollback: {len(done.failed)} path(s) could not be put back as they were at {point}; every "
+              f"restore point is kept: clear what is in the way, then run guard rollback --run-dir {run_dir} "
+              f"--to {to} again", file=sys.stderr)
+        return Exit.CANTCREAT
     return Exit.OK
 
 

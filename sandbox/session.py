@@ -23,11 +23,12 @@ from types import TracebackType
 from guardfs.accounting import WriteAccounting
 from guardfs.decision import Request, Verdict
 from guardfs.errors import GuardError
-from guardfs.events import EventLog
+from guardfs.events import EventLog, printable
 from guardfs.fs import GuardFS
+from guardfs.githistory import WorkspaceScan, check_workspace
 from guardfs.gitscope import ForbiddenInGitError, GitScope
 from guardfs.manifest import Manifest
-from guardfs.policy import PathPolicy, read_gitignore
+from guardfs.policy import PathPolicy, Scope, read_gitignore
 from sandbox.breaker import Breaker, Effect, Effects
 from sandbox.breaker.daemon import Daemon
 from sandbox.breaker.ledger import render_state
@@ -59,6 +60,8 @@ class Session:
     operator's ``stop`` went out (``guard mount`` ends its mount there). *now* is the
     breaker's clock. *agent_files* and *agent_caches*: the agent's own files in the workspace
     (:class:`~guardfs.policy.PathPolicy`; from the agents' table, ``own_files`` and ``own_caches``).
+    *git_cache*: where the check of git's history keeps what it found, by the store's state
+    (guardfs.githistory; None: not kept).
 
     Call :meth:`prepare` before serving (it claims the run directory) and :meth:`close`
     after the mount is gone; or use the Session as a context manager.
@@ -80,6 +83,7 @@ class Session:
         on_stop: Callable[[], None] | None = None,
         agent_files: Sequence[str] = (),
         agent_caches: Sequence[str] = (),
+        git_cache: Path | None = None,
     ) -> None:
         if checkpoints and run_dir is None:
             raise ValueError("checkpoints are kept in the run directory: give run_dir")
@@ -91,7 +95,10 @@ class Session:
                                  gitignore=gitignore, agent_files=agent_files, agent_caches=agent_caches)
         #: What ``guard run`` says at start (the forbidden paths git tracks, under "warn"/"hide-git").
         self.notices: list[str] = []
-        self.gitscope = self._git_scope(manifest, workspace)
+        #: Git directories outside the workspace the sandbox must mask ("hide-git").
+        self.git_masks: list[str] = []
+        self.git_history = WorkspaceScan()
+        self.gitscope = self._git_scope(manifest, workspace, git_cache)
         self.accounting = WriteAccounting(committed=self.gitscope.committed_version)
         self._breaker: Breaker | None = None
         if run_dir is not None:
@@ -119,35 +126,78 @@ class Session:
         self._listeners: list[Callable[[Effects], None]] = []
         self._prepared = False
 
-    def _git_scope(self, manifest: Manifest, workspace: str | os.PathLike[str]) -> GitScope:
+    def _git_scope(self, manifest: Manifest, workspace: str | os.PathLike[str],
+                   git_cache: Path | None) -> GitScope:
         """The workspace's git state at the start, and what ``paths.forbidden_in_git`` makes
-        of the secrets git tracks (raises ForbiddenInGitError under "refuse"). Only secrets:
-        git may track protected paths (they are readable anyway)."""
+        of the secrets git holds anywhere (raises ForbiddenInGitError under "refuse"): in
+        HEAD and the index, and in every repository's whole store (guardfs.githistory). Only
+        secrets: git may track protected paths (they are readable anyway)."""
         scope = GitScope(workspace, self.policy)
-        tracked = scope.tracked_forbidden
-        if not tracked:
+        policy = self.policy
+        history = check_workspace(
+            os.fspath(workspace), lambda p: policy.classify(p.rstrip("/"), p.endswith("/")).scope is Scope.FORBIDDEN,
+            manifest.paths.workspace_secrets, cache_dir=git_cache)
+        self.git_history = history
+        if history.scans:
+            cached = sum(1 for scan in history.scans if scan.cached)
+            self.notices.append(
+                f"git history checked for secrets: {len(history.scans)} repositor"
+                f"{'y' if len(history.scans) == 1 else 'ies'}, {sum(x.objects for x in history.scans)} objects, "
+                f"{sum(x.seconds for x in history.scans):.1f} s"
+                + (f" ({cached} from the cache of {git_cache})" if cached else ""))
+        where: dict[str, list[str]] = {p: ["HEAD or the index"] for p in scope.tracked_forbidden}
+        for repo, found in history.found:
+            where.setdefault(found.path, []).extend(
+                w if repo.prefix == "" else f"{w} in {repo.label}" for w in found.where)
+        inside, outside = history.git_dirs(os.fspath(workspace))
+        if inside:  # read-only (guardfs.policy); forbidden under "hide-git" below
+            self.policy = self._policy_with(manifest, hide_git=False, git_dirs=inside)
+            scope.policy = self.policy
+        if not where and history.problem is None:
             return scope
+        tracked = sorted(where)
         mode = manifest.paths.forbidden_in_git
         shown = ", ".join(tracked[:20]) + (f" and {len(tracked) - 20} more" if len(tracked) > 20 else "")
         rules = ", ".join(sorted({self.policy.classify(p, False).describe() for p in tracked}))
+        lives = "; ".join(f"{p}: {', '.join(dict.fromkeys(where[p]))}" for p in tracked[:10])
+        modes = ('set [paths] forbidden_in_git = "hide-git" (git unusable in the run) or "warn" (run with them '
+                 "readable through git)")
+        way_out = ("remove them from git's history (`git filter-repo --invert-paths --path <path>`; for a "
+                   "reflog, stash or unreachable object `git stash clear`, then `git reflog expire "
+                   f"--expire-unreachable=now --all && git gc --prune=now`), or {modes}")
         if mode == "refuse":
             scope.close()
+            if not where:
+                raise ForbiddenInGitError(
+                    f"{history.problem}: a secret in it would be readable through git whatever the mount "
+                    f"refuses. Remove what it holds that you do not need, or {modes}")
             raise ForbiddenInGitError(
-                f"git tracks secret path(s) {shown} ({rules}): their contents are readable through "
-                "git (git show HEAD:<path>) whatever the mount refuses. If they must only never be written "
-                "(CI workflows, migrations), move their patterns to [paths] protected, which git may track; "
-                "if they are secrets, remove them from git's history, or set [paths] forbidden_in_git = "
-                '"hide-git" (git unusable in the run) or "warn" (run with them readable through git)')
+                f"git holds secret path(s) {shown} ({rules}), where: {lives}. Their contents are readable "
+                "through git (git show <commit>:<path>) whatever the mount refuses. If they must only never "
+                "be written (CI workflows, migrations), move their patterns to [paths] protected, which git "
+                f"may track; if they are secrets, {way_out}")
+        said = f"git holds secret path(s) {shown}" if where else (
+            f"git's history was not checked ({history.problem}), so it may hold secrets")
         if mode == "hide-git":
-            self.policy = PathPolicy(manifest, git_config_existed=self.policy.git_config_existed, hide_git=True,
-                                     git_state_locked=True, gitignore=self.policy.gitignore)
+            self.policy = self._policy_with(manifest, hide_git=True, git_dirs=inside, masked=outside)
+            self.git_masks = outside
             scope.policy = self.policy
-            self.notices.append(f"git tracks secret path(s) {shown}: .git/ is forbidden to the agent "
+            self.notices.append(f"{said}: every git directory is forbidden to the agent "
                                 "in this run (paths.forbidden_in_git = \"hide-git\"); git does not work here")
         else:
-            self.notices.append(f"WARNING: git tracks secret path(s) {shown}: their contents ARE readable "
+            self.notices.append(f"WARNING: {said}: their contents ARE readable "
                                 "through git's object store in this run (paths.forbidden_in_git = \"warn\")")
         return scope
+
+    def _policy_with(self, manifest: Manifest, *, hide_git: bool, git_dirs: list[str],
+                     masked: list[str] | None = None) -> PathPolicy:
+        """The run's policy, rebuilt with *hide_git*, the separate *git_dirs* and the *masked*
+        git directories outside the workspace."""
+        old = self.policy
+        return PathPolicy(manifest, git_config_existed=old.git_config_existed, hide_git=hide_git,
+                          git_state_locked=True, gitignore=old.gitignore, agent_files=old.agent_files,
+                          agent_caches=old.agent_caches, git_dirs=git_dirs, started_ns=old.started_ns,
+                          masked_git_dirs=masked or ())
 
     @property
     def guarded(self) -> bool:
@@ -237,9 +287,10 @@ class Session:
                 log.warning("the breaker asked for a rollback, but this guard keeps no pre-images")
             else:
                 try:
-                    self.rollback()
-                except GuardError as err:  # a tampered store: nothing restored, the run goes on
+                    self._rollback("last", "breaker")
+                except (GuardError, OSError) as err:  # a tampered store, or its disk failed: the run goes on
                     log.error("the breaker asked for a rollback, and it was refused: %s", err)
+                    self.breaker.rolled_back("breaker", "last", 0, {"": f"the rollback was refused: {err}"}, {})
         for listener in list(self._listeners):
             listener(effects)
 
@@ -247,5 +298,24 @@ class Session:
         """Restore the workspace to restore point *to* (``start``, ``last`` or a label);
         returns how many paths changed. GuardFS records the one ``rollback`` event. Raises
         :class:`~guardfs.checkpoint.CheckpointError`, changing nothing, for an unknown
-        point or a tampered store. Call from the event loop, outside any request."""
-        return len(self.fs.rollback(to))
+        point or a tampered store. Call from the event loop, outside any request.
+
+        What the rollback could not put back (named with the reason) and what it moved aside
+        go to the ledger and the console; the rest is restored, and the run goes on."""
+        return self._rollback(to, "operator")
+
+    def _rollback(self, to: str, by: str) -> int:
+        restored = len(self.fs.rollback(to))
+        assert self.fs.preimages is not None  # fs.rollback refuses a guard without them
+        done = self.fs.preimages.last_rollback
+        failed, aside = (done.failed, done.moved_aside) if done is not None else ({}, {})
+        for path, why in failed.items():
+            log.error("rollback (asked by the %s) did NOT restore %s: %s", by, printable(path), printable(why))
+        if failed:
+            log.error("rollback left %d path(s) as they were; every restore point is kept: clear the way and "
+                      "run guard rollback --run-dir %s --to %s", len(failed), self.run_dir, to)
+        for path, where in aside.items():
+            log.warning("rollback moved %s aside to %s (it held bytes no restore point keeps)", printable(path),
+                        where)
+        self.breaker.rolled_back(by, to, restored, failed, aside)
+        return restored

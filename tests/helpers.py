@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -10,7 +11,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -237,3 +238,44 @@ def npm_tarballs(specs: list[str], cache_name: str) -> list[Path]:
             names = [packed["filename"] for packed in json.loads(proc.stdout)]
             (folder / "complete").write_text("\n".join(names) + "\n")
     return [folder / name for name in (folder / "complete").read_text().split()]
+
+
+#: A breaker daemon of a session (no mount) on the real clock, in its own process: serves until its stdin closes.
+_DAEMON = """
+import sys, trio
+from pathlib import Path
+from guardfs.events import EventLog
+from guardfs.manifest import parse_manifest
+from sandbox.session import Session
+
+async def main(run, ws, manifest):
+    events = EventLog(Path(run) / "events.jsonl")
+    with Session(parse_manifest(manifest), ws, events, run_dir=Path(run)) as session:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(session.daemon.run)
+            print("ready", flush=True)
+            await trio.to_thread.run_sync(sys.stdin.read)
+            nursery.cancel_scope.cancel()
+    events.close()
+
+trio.run(main, *sys.argv[1:])
+"""
+
+
+@contextlib.contextmanager
+def breaker_daemon(run_dir: Path, workspace: Path, manifest: str) -> Iterator[Path]:
+    """A real breaker daemon serving *run_dir*'s agent.sock and control.sock (for clients that are
+    processes of their own: hooks, the container's relay); yields *run_dir* once both listen.
+    Keep *run_dir* short: a socket's path holds 108 bytes."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-c", _DAEMON, str(run_dir), str(workspace), manifest],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline() == "ready\n", "the breaker daemon did not start"
+        yield run_dir
+    finally:
+        proc.stdin.close()
+        proc.stdout.close()
+        code = proc.wait(timeout=30)
+    assert code == 0, f"the breaker daemon exited {code}"

@@ -170,7 +170,7 @@ def test_a_refused_start_leaves_no_run_directory(tmp_path: Path, short_tmp: Path
         proc = subprocess.run([sys.executable, "-m", "sandbox", "run", "--ci", "--manifest", str(manifest), *run_dir,
                                "--", "true"], cwd=ws, capture_output=True, text=True, timeout=120, env=env)
         assert proc.returncode == Exit.DATAERR, proc.stderr
-        assert "git tracks secret path(s) .env" in proc.stderr, proc.stderr
+        assert "git holds secret path(s) .env" in proc.stderr, proc.stderr
     assert not given.exists()
     runs = state / "guardfs/runs"
     assert not runs.exists() or not any(runs.iterdir()), list(runs.iterdir())

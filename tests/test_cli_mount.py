@@ -333,5 +333,5 @@ def test_a_refused_mount_leaves_no_run_directory(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "sandbox", "mount", "--manifest", str(manifest), "--run-dir",
                            str(run_dir), str(backing), str(mnt)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 65, proc.stderr
-    assert "git tracks secret path(s) .env" in proc.stderr, proc.stderr
+    assert "git holds secret path(s) .env" in proc.stderr, proc.stderr
     assert not run_dir.exists() and not listed(mnt)

@@ -158,7 +158,7 @@ def test_a_tracked_forbidden_path_refuses_the_run_by_default(tmp_path: Path) -> 
     ws = _workspace(tmp_path, None, track_secret=True)
     proc, run_dir = _guard_run(tmp_path, ws, SHOW, None)
     assert proc.returncode == 65, proc.stderr
-    assert "git tracks secret path(s) .env" in proc.stderr
+    assert "git holds secret path(s) .env" in proc.stderr
     assert 'forbidden_in_git = "hide-git"' in proc.stderr  # and says what to do
     assert not (run_dir / "stderr.log").exists()  # no agent ran
 
@@ -168,7 +168,7 @@ def test_hide_git_keeps_a_tracked_secret_out_of_git_show(tmp_path: Path, user: s
     ws = _workspace(tmp_path, user, track_secret=True)
     proc, run_dir = _guard_run(tmp_path, ws, SHOW, user, mode="hide-git")
     moves = _moves(run_dir)
-    assert ".git/ is forbidden to the agent" in proc.stderr and ".env" in proc.stderr, proc.stderr
+    assert "every git directory is forbidden to the agent" in proc.stderr and ".env" in proc.stderr, proc.stderr
     assert moves["show"] != 0 and moves["cat_file"] != 0, moves
     assert "s3cr3t" not in (run_dir / "stdout.log").read_text(errors="replace")
     assert "s3cr3t" not in (run_dir / "stderr.log").read_text(errors="replace")
@@ -179,7 +179,7 @@ def test_warn_runs_and_says_the_tracked_secret_is_readable_through_git(tmp_path:
     ws = _workspace(tmp_path, user, track_secret=True)
     proc, run_dir = _guard_run(tmp_path, ws, SHOW, user, mode="warn")
     moves = _moves(run_dir)
-    banner = [line for line in proc.stderr.splitlines() if "WARNING: git tracks secret path(s)" in line]
+    banner = [line for line in proc.stderr.splitlines() if "WARNING: git holds secret path(s)" in line]
     assert banner and ".env" in banner[0] and "readable through git" in banner[0], proc.stderr
     # What the README says "warn" means: the contents are readable through git.
     assert moves["show"] == 0 and moves["cat_file"] == 0, moves
@@ -190,7 +190,7 @@ def test_an_untracked_secret_runs_unchanged_under_the_default(tmp_path: Path) ->
     ws = _workspace(tmp_path, None, track_secret=False)
     proc, run_dir = _guard_run(tmp_path, ws, SHOW, None)
     assert proc.returncode == 0, proc.stderr
-    assert "git tracks secret" not in proc.stderr
+    assert "git holds secret" not in proc.stderr
     assert _moves(run_dir)["show"] != 0  # not in git: nothing to show
     assert os.path.exists(ws / ".env")
 

@@ -68,15 +68,16 @@ attempt("stat", lambda: os.stat(".env"))
 
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="the i386 ABI of x86_64")
 @pytest.mark.parametrize("user", USERS)
-def test_an_i386_unlink_of_a_forbidden_file_is_contact(tmp_path: Path, user: str | None) -> None:
+def test_an_i386_unlink_of_a_forbidden_file_is_refused_before_the_mount(tmp_path: Path, user: str | None) -> None:
     ws = hostile_workspace(tmp_path)
-    """Refused either way; with the first forbidden contact terminal, the run stops there (with
-    the i386 call read as x86_64's fanotify_mark, it went on, three times, without a trip)."""
+    """The guard's seccomp filter answers every system call of another ABI with ENOSYS (issue 21:
+    a 32-bit socketcall would pass a filter written for the 64-bit numbers), so the i386 unlink
+    never reaches the mount, three times over (before, read as x86_64's fanotify_mark, it reached
+    it unjudged as a removal: see the mount's intent for the 64-bit calls)."""
     seen, events, proc = hostile_run(tmp_path, ws, user, I386, FIX_TAX + FORBIDDEN_TERMINAL)
-    lookups = [e for e in events if e["op"] == "lookup" and e["path"] == ".env"]
-    assert lookups and lookups[0]["intent"] == "fanotify_mark (not the 64-bit ABI)", (events, proc.stderr[-2000:])
-    assert [e["rule"] for e in events if e["op"] == "trip"] == ["forbidden_path"], events
-    assert proc.returncode == 75 and "unlinkat1" not in seen, seen
+    assert [seen.get(f"unlinkat{i}") for i in range(3)] == ["ENOSYS"] * 3, (seen, proc.stderr[-2000:])
+    assert not [e for e in events if e["path"] == ".env" and e["op"] != "lookup"], events
+    assert proc.returncode == 0 and "stat" in seen, (seen, proc.stderr[-2000:])
     assert (ws / ".env").read_text() == SECRET
 
 

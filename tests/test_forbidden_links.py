@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from guardfs.backing import Backing
+from guardfs.harvest import remove_tree
 from guardfs.links import HARD_LINK_KEY, forbidden_links
 from guardfs.manifest import parse_manifest
 from guardfs.policy import PathPolicy, Scope
@@ -94,3 +95,28 @@ def test_pre_existing_hard_links_of_forbidden_files_are_forbidden(tmp_path: Path
     assert (tmp_path / "backing/.env").read_text() == SECRET
     assert (tmp_path / "backing/src/checkout/sub2/deeper").read_text() == SECRET
     assert not (tmp_path / "backing/src/checkout/mine").exists()
+
+
+def test_the_walk_reaches_below_path_max(tmp_path: Path) -> None:
+    """A tree deeper than PATH_MAX (an agent can leave one in a native generated tree) is walked
+    a piece at a time: a hard link of a secret at its bottom is found, and the start never fails."""
+    _tree(tmp_path)
+    deep = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    try:
+        for _ in range(700):  # 700 times "d123456/" = 5,600 bytes
+            os.mkdir("d123456", dir_fd=deep)
+            below = os.open("d123456", os.O_PATH | os.O_DIRECTORY, dir_fd=deep)
+            os.close(deep)
+            deep = below
+        os.link(tmp_path / ".env", "bottom", dst_dir_fd=deep)
+        assert os.stat("bottom", dir_fd=deep).st_nlink == 5
+    finally:
+        os.close(deep)
+    policy = PathPolicy(parse_manifest(CHECKOUT_MANIFEST))
+    backing = Backing(str(tmp_path))
+    try:
+        found = forbidden_links(backing, policy)
+    finally:
+        backing.close()
+        assert remove_tree(tmp_path / "d123456") == []  # pytest's own clean-up recurses
+    assert (tmp_path / ".env").stat().st_ino in found

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from sandbox.launch.inject import may_name
-from sandbox.launch.seccomp import Listener, receive_listener
+from sandbox.launch.seccomp import Listener, Removal, receive_listener
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ sys.path.insert(0, {root!r})
 from sandbox.launch.seccomp import hand_over
 if {nnp}:
     ctypes.CDLL(None).prctl(38, 1, 0, 0, 0)
-hand_over({fd})
+hand_over({fd}, removals=True)
 os.chdir({where!r})
 os.makedirs("a/b")
 open("a/file", "w").close()
@@ -56,17 +56,19 @@ def test_the_filter_hands_over_directory_removals_and_nothing_else(tmp_path: Pat
     with ours:
         assert select.select([ours], [], [], 30)[0], "no answer from the process"
         got = receive_listener(ours)
-    assert isinstance(got, int), got
-    listener = Listener(got)
+    assert isinstance(got, tuple), got
+    listener = Listener(got[0])
     paths = []
     try:
         while True:
             assert select.select([listener], [], [], 30)[0], "the process neither removed nor ended"
             if listener.ended():
                 break
-            removal = listener.receive()
-            if removal is None:
+            call = listener.receive()
+            if call is None:
                 continue
+            assert call.call == "removal", call
+            removal = Removal.of(call)
             try:
                 paths.append(listener.path(removal))
             finally:

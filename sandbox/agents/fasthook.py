@@ -8,8 +8,11 @@ It reads the hook's JSON on stdin, asks the agent socket (``check`` before a too
 ``tool_result`` after it) and answers in the agent's blocking convention: exit 2 with the
 reason on stderr blocks the tool, and that text reaches the model as the tool's error — the
 breaker's corrective feedback. If the guard cannot be reached, mutating tools are refused
-(fail closed) and read-only ones go ahead. What differs between agents (event names, blocking
-status, which tools write) comes from the agents' table, :mod:`sandbox.agents.registry`.
+(fail closed) and read-only ones go ahead; input the hook cannot read, or a call the guard
+refuses to judge, is refused whatever the tool. The compiled helper (``guard_hook.c``) answers
+the same, by construction: what it cannot settle itself it hands to this file. What differs
+between agents (event names, blocking status, which tools write) comes from the agents' table,
+:mod:`sandbox.agents.registry`.
 
 It also holds what every client of the guard's sockets shares and this file needs: the protocol
 :data:`VERSION`, :class:`GuardUnreachable` (and its base :class:`GuardClientError`), and
@@ -90,8 +93,9 @@ class GuardClientError(Exception):
 
 class GuardUnreachable(GuardClientError):
     """The guard gave no usable answer: nothing listens at GUARD_SOCKET, the connection broke,
-    the reply was not a JSON object, or the guard refused the request as malformed. The hook
-    treats each alike: a mutating tool is refused (fail closed), a read-only one goes ahead."""
+    or the reply could not be read. The hook refuses a mutating tool then (fail closed) and lets
+    a read-only one go ahead (the mount still judges what it reads); a request the guard read
+    and refused (a plain GuardClientError) refuses any tool."""
 
     exit_code = 69  # EX_UNAVAILABLE
 
@@ -173,16 +177,23 @@ def connect_unix(path: str, timeout: float) -> socket.socket:
     return sock
 
 
+#: The longest reply line read, and how long a reply may take (the compiled helper's REPLY_MAX
+#: and TIMEOUT_S: the two give up alike).
+_REPLY_MAX = 1 << 20
+_TIMEOUT_S = 5.0
+
+
 def _ask(message: dict[str, Any]) -> dict[str, Any]:
-    """One request on GUARD_SOCKET; raise GuardUnreachable naming the problem."""
+    """One request on GUARD_SOCKET; raise GuardUnreachable naming the problem, or
+    GuardClientError with the guard's words when it refused the request."""
     path = os.environ.get("GUARD_SOCKET")
     if not path:
         raise GuardUnreachable("GUARD_SOCKET is not set")
     try:
-        with connect_unix(path, 5.0) as sock:
+        with connect_unix(path, _TIMEOUT_S) as sock:
             sock.sendall(json.dumps({"v": VERSION, **message}).encode() + b"\n")
             buf = b""
-            while b"\n" not in buf:
+            while b"\n" not in buf and len(buf) < _REPLY_MAX:
                 chunk = sock.recv(65536)
                 if not chunk:
                     break
@@ -191,14 +202,19 @@ def _ask(message: dict[str, Any]) -> dict[str, Any]:
         raise GuardUnreachable(f"cannot reach the guard at {path}: {err.strerror or err}") from err
     if not buf:
         raise GuardUnreachable(f"the guard at {path} closed the connection without replying")
+    if b"\n" not in buf:
+        raise GuardUnreachable(f"the guard at {path} " + ("closed the connection mid-reply" if len(buf) < _REPLY_MAX
+                                                           else "sent a reply this hook cannot read"))
     try:
         reply = json.loads(buf.split(b"\n", 1)[0])
-    except ValueError as err:  # cut off mid-line: the guard went away while answering
-        raise GuardUnreachable(f"the guard at {path} sent a reply that is not JSON ({err})") from err
-    if not isinstance(reply, dict):
-        raise GuardUnreachable(f"the guard at {path} sent a reply that is not an object")
-    if not reply.get("ok"):
-        raise GuardUnreachable(f"the guard refused the request: {reply.get('error')}")
+    except ValueError as err:
+        raise GuardUnreachable(f"the guard at {path} sent a reply this hook cannot read") from err
+    # A check's reply decides: without its allow, it is no answer (the compiled helper reads no other shape).
+    if not isinstance(reply, dict) or (message["type"] == "check" and reply.get("ok") is True
+                                       and not isinstance(reply.get("allow"), bool)):
+        raise GuardUnreachable(f"the guard at {path} sent a reply this hook cannot read")
+    if reply.get("ok") is not True:  # read, and refused: the guard says why
+        raise GuardClientError(f"the guard refused the request: {reply.get('error')}")
     return reply
 
 
@@ -291,8 +307,11 @@ def decide(event: Any, ask: Callable[[dict[str, Any]], dict[str, Any]], agent: s
         if name in _PRE:
             args = {"command": tool_input.get("command")} if "command" in tool_input else tool_input
             reply = ask({"type": "check", "tool": tool, "paths": paths, "args": args, "mutating": mutating})
-            if not reply["allow"]:
-                return _block(agent), reply.get("feedback") or f"guard: {tool} refused ({reply['state']})"
+            allow = reply.get("allow")
+            if not isinstance(allow, bool):
+                raise GuardUnreachable("the guard sent a reply this hook cannot read")
+            if not allow:
+                return _block(agent), reply.get("feedback") or f"guard: {tool} refused ({reply.get('state')})"
             return 0, reply.get("warning", "")
         if name in _POST:
             summary = str(tool_input.get("command") or tool_input.get("file_path") or "")[:4000]
@@ -302,6 +321,10 @@ def decide(event: Any, ask: Callable[[dict[str, Any]], dict[str, Any]], agent: s
         if mutating and name in _PRE:
             return _block(agent), (f"guard: refusing {tool}: the guard cannot be reached ({err}); writes stay blocked "
                            "until it is back")
+        return 0, f"guard hook: {err}"
+    except GuardClientError as err:  # the guard read the call and refused it: fail closed, whatever the tool
+        if name in _PRE:
+            return _block(agent), f"guard: refusing {tool}: {err}"
         return 0, f"guard hook: {err}"
     return 0, ""
 
@@ -317,8 +340,12 @@ def refuse_malformed(event: Any, err: HookPayloadError, agent: str | None = None
     return _block(agent), f"guard: refusing {tool_text}: its hook event cannot be read ({err})"
 
 
-def run_hook(agent: str, stdin: str | bytes) -> int:
-    """Handle one hook call (*agent*: claude, codex, gemini); returns the exit status."""
+def run_hook(agent: str, stdin: str | bytes, unreachable: str | None = None) -> int:
+    """Handle one hook call (*agent*: claude, codex, gemini); returns the exit status.
+
+    *unreachable*: why the guard gave no usable answer to a message it may have counted (the
+    compiled helper's hand-over): the call is decided as if it could not be reached, unasked.
+    """
     if len(stdin) > MAX_HOOK_INPUT:
         print(f"guard hook {agent}: hook input of {len(stdin)} bytes (at most {MAX_HOOK_INPUT}); refusing",
               file=sys.stderr)
@@ -328,8 +355,12 @@ def run_hook(agent: str, stdin: str | bytes) -> int:
     except ValueError as err:  # not JSON, not UTF-8, or beyond the bounds
         print(f"guard hook {agent}: no valid JSON on stdin ({err})", file=sys.stderr)
         return _block(agent)
+
+    def unasked(message: dict[str, Any]) -> dict[str, Any]:
+        raise GuardUnreachable(str(unreachable))
+
     try:
-        code, text = decide(event, _ask, agent)
+        code, text = decide(event, _ask if unreachable is None else unasked, agent)
     except HookPayloadError as err:
         code, text = refuse_malformed(event, err, agent)
     if text:
@@ -338,9 +369,14 @@ def run_hook(agent: str, stdin: str | bytes) -> int:
 
 
 def main() -> int:
-    """``python3 -S -E fasthook.py AGENT``."""
+    """``python3 -S -E fasthook.py AGENT`` (``AGENT --guard-unreachable WHY``: the compiled helper's hand-over)."""
     agent = sys.argv[1] if len(sys.argv) > 1 else "claude"
-    return run_hook(agent, sys.stdin.buffer.read(MAX_HOOK_INPUT + 1))  # bytes: any encoding is read, never fails
+    unreachable = sys.argv[3] if len(sys.argv) > 3 and sys.argv[2] == "--guard-unreachable" else None
+    try:  # bytes: any encoding is read; no stdin at all is no event (refused as the helper refuses it)
+        stdin = sys.stdin.buffer.read(MAX_HOOK_INPUT + 1) if sys.stdin is not None else b""
+    except OSError:
+        stdin = b""
+    return run_hook(agent, stdin, unreachable)
 
 
 if __name__ == "__main__":

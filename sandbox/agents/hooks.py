@@ -5,8 +5,9 @@ run compiles ``guard_hook.c`` once (with the system's C compiler) into a helper 
 forwards the hook's JSON to the daemon, which decides with :mod:`sandbox.agents.fasthook`'s
 logic. Where there is no compiler, agents get ``python3 -S -E fasthook.py`` instead (the
 same answers, tens of milliseconds slower). ``guard hook`` runs the Python one. The helper is
-compiled with what it must know (the protocol version, the agents' mutating tools, hook event
-names and blocking status) from :data:`~sandbox.agents.fasthook.VERSION` and the agents' table.
+compiled with what it must know (the protocol version, the agents' blocking status, the Python
+hook it hands every call it cannot settle to) from :data:`~sandbox.agents.fasthook.VERSION`, the
+agents' table and this interpreter.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import errno
 import functools
 import hashlib
-import json
 import logging
 import os
 import shlex
@@ -22,7 +22,7 @@ import shutil
 import stat
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from sandbox.agents import fasthook
@@ -44,21 +44,21 @@ def helper_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "guardfs"
 
 
-def _c_strings(names: Iterable[str]) -> str:
-    """A C initializer list of string literals, each followed by a comma (json quoting is C's for these
-    printable names)."""
-    return "".join(f"{json.dumps(name)}," for name in sorted(names))
+def _c_string(text: str) -> str:
+    """*text* as a C string literal (any byte but printable ASCII written in octal)."""
+    return '"' + "".join(chr(b) if 0x20 <= b < 0x7F and b not in b'"\\?' else f"\\{b:03o}"
+                         for b in os.fsencode(text)) + '"'
 
 
 def helper_defines() -> list[str]:
-    """The compiler's -D options that give ``guard_hook.c`` the protocol version and the agents' table."""
-    hooks = [a.hook for a in HOOKED.values() if a.hook is not None]
-    blocks = "".join(f"{{{json.dumps(a.name)},{h.block_status}}}," for a, h in zip(HOOKED.values(), hooks, strict=True))
+    """The compiler's -D options that give ``guard_hook.c`` the protocol version, the agents' blocking
+    statuses and the Python hook it hands what it cannot settle to (this interpreter, this fasthook.py)."""
+    blocks = "".join(f"{{{_c_string(a.name)},{a.hook.block_status}}}," for a in HOOKED.values() if a.hook is not None)
     return [
         f"-DGUARD_PROTOCOL_VERSION={VERSION}",
-        f"-DGUARD_MUTATING_TOOLS={_c_strings(MUTATING_TOOLS)}",
-        f"-DGUARD_BEFORE_EVENTS={_c_strings({h.before for h in hooks})}",
         f"-DGUARD_AGENT_BLOCK={blocks}",
+        f"-DGUARD_PYTHON={_c_string(sys.executable)}",
+        f"-DGUARD_FASTHOOK={_c_string(fasthook.__file__)}",
     ]
 
 
@@ -91,11 +91,17 @@ def compiled_helper() -> Path | None:
 
 
 def hook_command(agent: str, compiled: bool = True) -> str:
-    """The shell command an agent's settings name for our hook."""
+    """The shell command an agent's settings name for our hook. *compiled* False: for an agent of
+    another user (``guard run --user``), who cannot reach the helper in this user's cache, nor
+    perhaps this interpreter (a virtualenv under /root, hidden in the sandbox: every hook call
+    would fail with 127, which agents take as "not blocked"); it gets the Python hook run by the
+    system's python3, as the sandbox's entry step is (:func:`sandbox.launch.isolation.system_entry`):
+    the hook needs the standard library only."""
     helper = compiled_helper() if compiled else None
     if helper is not None:
         return f"{shlex.quote(str(helper))} {agent}"
-    return f"{shlex.quote(sys.executable)} -S -E {shlex.quote(fasthook.__file__)} {agent}"
+    python = sys.executable if compiled else shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+    return f"{shlex.quote(python)} -S -E {shlex.quote(fasthook.__file__)} {agent}"
 
 
 def launch(agent: str, command: list[str], compiled: bool = True) -> tuple[list[str], Launch]:

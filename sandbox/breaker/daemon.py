@@ -37,7 +37,7 @@ import trio
 
 from guardfs.errors import GuardError, UsageError
 from guardfs.events import EventLog, json_safe
-from sandbox.agents.fasthook import GuardUnreachable, HookPayloadError, decide, refuse_malformed
+from sandbox.agents.fasthook import GuardClientError, HookPayloadError, decide, refuse_malformed
 from sandbox.breaker import Breaker, Effect, Effects, Reply
 from sandbox.breaker.ledger import write_ledger
 from sandbox.breaker.protocol import (
@@ -426,8 +426,8 @@ class Daemon:
     def _ask_self(self, message: dict[str, Any]) -> dict[str, Any]:
         """The hook logic's questions, answered here without a socket."""
         reply = self._handle(json.dumps({"v": VERSION, **message}).encode(), "agent")
-        if not reply.get("ok"):
-            raise GuardUnreachable(str(reply.get("error")))
+        if not reply.get("ok"):  # refused, as fasthook's _ask says it: the hook fails closed
+            raise GuardClientError(f"the guard refused the request: {reply.get('error')}")
         return reply
 
     def _rollback(self, to: str) -> dict[str, Any]:
@@ -437,6 +437,8 @@ class Daemon:
             restored = self.on_rollback(to)
         except GuardError as err:  # no such restore point, or a tampered store: nothing changed
             return error_reply(str(err))
+        except OSError as err:  # the store's own disk failed (what the workspace refused is in the result)
+            return error_reply(f"the rollback failed: {err}; see the guard's console and the ledger")
         return {"v": VERSION, "ok": True, "state": self.breaker.state.value, "restored": restored}
 
     def _dispatch(self, msg: Any, kind: str) -> dict[str, Any]:

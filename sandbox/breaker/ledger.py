@@ -33,6 +33,22 @@ def _more(omitted: dict[str, int], key: str, what: str) -> list[str]:
     return [f"- ({n} {what} not shown; record.ledger_max_items bounds this list)"] if n else []
 
 
+def _rollback_lines(rollbacks: list[dict[str, Any]]) -> list[str]:
+    """One item per rollback, and one below it per path it could not put back or moved aside."""
+    lines = []
+    for r in rollbacks:
+        incomplete = f"; **{r['failed_count']} path(s) NOT restored**" if r["failed_count"] else ""
+        lines.append(f"- step {r['step']}, asked by the {md_text(r['by'])}, to {md_text(r['to'])}: "
+                     f"{r['restored']} path(s) restored{incomplete}")
+        lines += [f"  - NOT restored: {md_text(f['path'])}: {md_text(f['reason'])}" for f in r["failed"]]
+        if r["failed_count"] > len(r["failed"]):
+            lines.append(f"  - ({r['failed_count'] - len(r['failed'])} more not shown; record.ledger_max_items)")
+        lines += [f"  - moved aside: {md_text(m['path'])} -> {md_text(m['to'])}" for m in r["moved_aside"]]
+        if r["moved_aside_count"] > len(r["moved_aside"]):
+            lines.append(f"  - ({r['moved_aside_count'] - len(r['moved_aside'])} more moved aside, not shown)")
+    return lines
+
+
 def render_state(snap: dict[str, Any]) -> str:
     """STATE.md from a breaker snapshot; every text the agent controls is escaped."""
     files, tokens, scope = snap["files"], snap["tokens"], snap["scope"]
@@ -72,6 +88,9 @@ def render_state(snap: dict[str, Any]) -> str:
         lines += [f"| {t['step']} | {md_text(t['rule'])} | {md_text(t.get('path') or '-')} | {md_text(t['state'])} "
                   f"| {md_text(t['reason'])} |" for t in snap["trips"]]
         lines += _more(omitted, "trips", "trips between the first and the most recent")
+    if rollbacks := snap.get("rollbacks"):
+        lines += ["", "## Rollbacks", *_rollback_lines(rollbacks)]
+        lines += _more(omitted, "rollbacks", "rollbacks between the first and the most recent")
     if snap["last_feedback"]:
         lines += ["", "## Last feedback", *_fenced(snap["last_feedback"])]
     disproved = [n for n in snap["notes"] if n["kind"] == "disproved"]

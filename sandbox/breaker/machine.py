@@ -202,6 +202,8 @@ class Breaker:
         self.notes: collections.deque[dict[str, Any]] = collections.deque(maxlen=self.record.max_notes)
         self.notes_dropped = 0
         self.checkpoints: list[dict[str, Any]] = []
+        #: The run's rollbacks (the breaker's and the operator's), as :meth:`rolled_back` heard of them.
+        self.rollbacks: list[dict[str, Any]] = []
         self.last_feedback = ""
         self.version = 0  # bumped on every change, for the ledger writer
         # Effects decided during the current call; the reply it returns takes them along.
@@ -493,6 +495,22 @@ class Breaker:
         self._effects.add(Effect.CHECKPOINT)
         self._changed()
 
+    def rolled_back(self, by: str, to: str, restored: int, failed: dict[str, str],
+                    moved_aside: dict[str, str]) -> None:
+        """The Session carried out a rollback asked *by* ``breaker`` or ``operator`` (to restore
+        point *to*): the ledger keeps how many paths it restored, each path it could not put
+        back with the reason, and what it moved aside (at most ``record.ledger_max_items`` of
+        each, with their counts). No state changes: a rollback is no progress and no trip."""
+        n = self.record.ledger_max_items
+        self.rollbacks.append({
+            "by": by, "to": to, "step": self._c.steps, "time": self.now(), "restored": restored,
+            "failed": [{"path": p, "reason": r} for p, r in itertools.islice(failed.items(), n)],
+            "failed_count": len(failed),
+            "moved_aside": [{"path": p, "to": d} for p, d in itertools.islice(moved_aside.items(), n)],
+            "moved_aside_count": len(moved_aside),
+        })
+        self._changed()
+
     # ----- internals ------------------------------------------------------------------
 
     def _touch(self) -> None:
@@ -671,6 +689,9 @@ class Breaker:
         notes = _bounded(list(self.notes), n, "notes", omitted)
         omitted["notes"] += self.notes_dropped
         checkpoints = _bounded(self.checkpoints, n, "checkpoints", omitted)
+        rollbacks = _bounded(self.rollbacks, n, "rollbacks", omitted)
+        if not omitted["rollbacks"]:
+            del omitted["rollbacks"]  # said only when some are left out: the other counts stay as they were
         files = self._files_snapshot(n, omitted)
         feedback = _clip(self.last_feedback, _MAX_FEEDBACK_CHARS, "")
         return {
@@ -695,6 +716,7 @@ class Breaker:
             "last_feedback": feedback,
             "notes": notes,
             "checkpoints": checkpoints,
+            "rollbacks": rollbacks,
             "omitted": omitted,
             "limits": lim.model_dump(),
         }

@@ -28,7 +28,7 @@ real directory that is then bound, so it is there, once, on both sides of the bi
 opened through the mount before the bind keeps writing into that same file.
 
 A bound tree the agent empties and removes (``rm -rf .venv``) would fail on the directory
-itself: the kernel never removes a mount point (EBUSY). :meth:`MidRunBinder.watch_removals`
+itself: the kernel never removes a mount point (EBUSY). :meth:`MidRunBinder.serve_removals`
 gives such a tree back to the mount just before its removal goes on (see
 :mod:`sandbox.launch.seccomp`): a helper enters the sandbox's namespace the same way and
 detaches the bind, from inside it (``umount2(".", MNT_DETACH)``), once it has checked the
@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import socket
 import stat
 import sys
 from collections.abc import Callable
@@ -60,7 +59,7 @@ from guardfs.events import EventLog
 from guardfs.fs import GuardFS
 from guardfs.scratch import SCRATCH_INO
 from sandbox.launch.native import MAX_TREES, MidRunRules
-from sandbox.launch.seccomp import Listener, Removal, receive_listener
+from sandbox.launch.seccomp import Listener, Notification, Removal
 from sandbox.launch.supervisor import ProcessTree
 
 __all__ = ["MidRunBinder", "may_name"]
@@ -260,36 +259,21 @@ class MidRunBinder:
                          scratch=None if scratch is None else True)
 
 
-    async def watch_removals(self, sock: socket.socket, tree: ProcessTree) -> None:
+    async def serve_removals(self, tree: ProcessTree, listener: Listener,
+                             removals: trio.MemoryReceiveChannel[Notification]) -> None:
         """Give a bound tree the agent empties and removes back to the mount, so that the
-        removal works as it would natively (:mod:`sandbox.launch.seccomp`): *sock* brings the
-        listener of the sandbox's filter on directory removals. For as long as the agent runs."""
-        with sock:
-            await trio.lowlevel.wait_readable(sock)
-            got = receive_listener(sock)
-        if isinstance(got, str):
-            self.say(f"directory removals not watched ({got}): removing a generated tree bound natively "
-                     "fails with EBUSY on the directory itself (empty it instead), or set "
-                     "[sandbox] native_generated = false to keep such trees behind the mount")
-            return
-        listener = Listener(got)
-        try:
-            while True:
-                await trio.lowlevel.wait_readable(listener)
-                if listener.ended():
-                    return
-                removal = listener.receive()
-                if removal is None:
-                    continue  # its caller is gone
-                try:
-                    # Most removals meet no empty tree and no candidate waiting for its bind:
-                    # let go at once, without reading their path (a thread's round trip).
-                    if self._pending or self._emptied(None):
-                        await self._settle(listener, removal, tree)
-                finally:
-                    listener.resume(removal)
-        finally:
-            listener.close()
+        removal works as it would natively (:mod:`sandbox.launch.seccomp`): *removals* are the
+        directory removals the sandbox's filter stopped (:func:`sandbox.launch.sockets.serve_filter`
+        hands them over, in order), each let go here once judged. For as long as the agent runs."""
+        async for call in removals:
+            removal = Removal.of(call)
+            try:
+                # Most removals meet no empty tree and no candidate waiting for its bind:
+                # let go at once, without reading their path (a thread's round trip).
+                if self._pending or self._emptied(None):
+                    await self._settle(listener, removal, tree)
+            finally:
+                listener.resume(removal)
 
     async def _settle(self, listener: Listener, removal: Removal, tree: ProcessTree) -> None:
         """Give the trees *removal* may name back to the mount, if emptied."""

@@ -7,7 +7,8 @@ The run directory (control socket, ledger, logs) is covered by an empty tmpfs; o
 ``exec/`` directory is bound writable at ``/tmp/guard/exec``, where ``guard exec`` keeps its
 logs, so they land on the host and outlive the run. As root, every capability is
 dropped. The last step, :mod:`sandbox.launch.enter`, adds Landlock (writes only beneath the
-workspace, /tmp, /dev and declared extras) and no_new_privs.
+workspace, /tmp, /dev and declared extras), no_new_privs and the guard's seccomp filter (the
+host's unix sockets out of reach: :mod:`sandbox.launch.sockets`).
 
 What only root (or another user) may read on the host stays unreadable even to a root agent,
 whose uid 0 without capabilities still owns root's files: /root, /home (but an agent user's
@@ -308,9 +309,11 @@ def bwrap_argv(
     masks: HostMasks | None = None,
     mask_file: str | None = None,
     network: str = "host",
-    removals_fd: int | None = None,
+    filter_fd: int | None = None,
+    removals: bool = False,
     installed: Installation | None = None,
     secrets: Sequence[str] = (),
+    sockets: Sequence[str] = (),
 ) -> list[str]:
     """The full command line that starts *command* isolated, in *cwd*.
 
@@ -322,8 +325,10 @@ def bwrap_argv(
     able to write it); *masks* are the host's trees and files the agent must not read
     (:func:`host_secrets`), files covered by *mask_file*, an empty mode-000 file;
     *network* "none" gives the agent a network namespace of its own (loopback only);
-    *removals_fd* is a socket (inherited) over which the sandbox's entry step hands the guard
-    its filter on directory removals (:mod:`sandbox.launch.seccomp`); *installed* is what of the
+    *filter_fd* is a socket (inherited) over which the sandbox's entry step hands the guard
+    its seccomp filter (:mod:`sandbox.launch.seccomp`), which notifies directory removals too
+    with *removals*; *sockets* are the host's unix sockets ``[sandbox] unix_sockets`` names,
+    shown read-only at their path where a tmpfs covers them; *installed* is what of the
     agent's installation (and ``[sandbox] readable``) a tmpfs covers and must be shown read-only;
     *secrets* are the credential stores to mask (:func:`visible_secrets`), masked last, over
     every bind.
@@ -363,6 +368,9 @@ def bwrap_argv(
         argv += ["--ro-bind", source, dest]
     for path in writable:
         argv += ["--bind", path, path]
+    for path in sockets:
+        if _under(path, ["/tmp", *hidden]) and not _under(path, masks.reveal if masks else ()):
+            argv += ["--ro-bind", path, path]  # a connect needs no write access to the mount
     argv += _masked(secrets, mask_file)
     if network == "none":
         argv.append("--unshare-net")  # a namespace of its own: loopback only, abstract sockets included
@@ -379,7 +387,8 @@ def bwrap_argv(
         *(entry or [sys.executable, "-m", "sandbox.launch.enter"]),
         "--write", workspace, "--write", "/tmp", "--write", "/dev",
         *(f"--write={p}" for p in writable),
-        *([f"--removals={removals_fd}"] if removals_fd is not None else []),
+        *([f"--filter={filter_fd}"] if filter_fd is not None else []),
+        *(["--removals"] if removals else []),
         "--", *command,
     ]
     return argv

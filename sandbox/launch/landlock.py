@@ -4,6 +4,10 @@ Only writes are restricted (reads are governed by what bubblewrap shows): after
 :func:`restrict_writes`, this process and everything it starts can create, write, remove or
 rename files only beneath the given directories. ``no_new_privs`` is set first, as Landlock
 requires; a setuid program can then gain nothing either.
+
+Where the kernel has them (ABI >= 6), the ruleset's scopes are set too: no connect to an
+abstract unix socket made outside the sandbox, no signal to a process outside it. Defence in
+depth: the guard's seccomp filter judges every connect already (:mod:`sandbox.launch.sockets`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ _MAKE_SYM = 1 << 12
 _REFER = 1 << 13  # ABI 2
 _TRUNCATE = 1 << 14  # ABI 3
 _IOCTL_DEV = 1 << 15  # ABI 5 (not a write: left alone)
+# Scopes (ABI 6).
+_SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0
+_SCOPE_SIGNAL = 1 << 1
 
 _WRITES_V1 = (_WRITE_FILE | _REMOVE_DIR | _REMOVE_FILE | _MAKE_CHAR | _MAKE_DIR | _MAKE_REG | _MAKE_SOCK
               | _MAKE_FIFO | _MAKE_BLOCK | _MAKE_SYM)
@@ -49,7 +56,10 @@ class LandlockUnavailable(OSError):
 
 
 class _RulesetAttr(ctypes.Structure):
-    _fields_ = (("handled_access_fs", ctypes.c_uint64),)
+    # Grown by ABI 4 (network) and 6 (scopes); an older kernel takes the larger struct as long
+    # as what it does not know is zero.
+    _fields_ = (("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64))
 
 
 class _PathBeneathAttr(ctypes.Structure):
@@ -88,7 +98,7 @@ def restrict_writes(writable: Iterable[str]) -> int:
     descendants, for good. Returns the ABI used."""
     abi = abi_version()
     rights = _write_rights(abi)
-    attr = _RulesetAttr(rights)
+    attr = _RulesetAttr(rights, 0, _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL if abi >= 6 else 0)
     ruleset = _check(_libc.syscall(_SYS_CREATE_RULESET, ctypes.byref(attr), ctypes.sizeof(attr),
                                    ctypes.c_uint32(0)), "landlock_create_ruleset")
     try:

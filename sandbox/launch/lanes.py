@@ -19,6 +19,10 @@ anything beneath it, now or later (:func:`forbidden_reach`):
   also those created during the run), and their other subdirectories become lanes;
 - a hard link, made before the run, of a file forbidden by name (which the mount refuses
   under any name, :mod:`guardfs.links`) keeps the directories above it under the mount too.
+  Lanes are planned with the mount's own policy, so under ``forbidden_in_git = "hide-git"``
+  git's objects are such files: a loose object hard-linked into a lane (``git clone
+  --local``, ``cp -al``) keeps its directory behind the mount, which refuses it, as does
+  one of a masked git directory outside the workspace (a linked worktree's store).
 
 So nothing forbidden is ever listed or readable in a lane, and nothing needs masking.
 Nothing in a lane can be written (a read-only bind; the kernel answers EROFS, the errno
@@ -154,10 +158,14 @@ def _out_of_scope(root: Path, anchors: list[str], policy: PathPolicy, dev: int) 
     return found
 
 
-def plan_lanes(manifest: Manifest, workspace: Path, max_lanes: int = MAX_LANES) -> Lanes:
-    """The fast lanes of *workspace* under *manifest*: directories no forbidden pattern can reach."""
+def plan_lanes(manifest: Manifest, workspace: Path, max_lanes: int = MAX_LANES, *,
+               policy: PathPolicy | None = None) -> Lanes:
+    """The fast lanes of *workspace* under *manifest*: directories no forbidden pattern can reach.
+
+    *policy* is the mount's (``hide-git`` included: a lane must hide what the mount hides;
+    default: the manifest's alone)."""
     lanes = Lanes()
-    policy = PathPolicy(manifest)
+    policy = policy if policy is not None else PathPolicy(manifest)
     root = workspace.resolve()
     dev = root.stat().st_dev
     candidates: list[str] = []
@@ -264,10 +272,11 @@ def _split(root: Path, tree: str, patterns: list[str], tainted: set[str], dev: i
 
 def _hard_link_dirs(root: Path, policy: PathPolicy, trees: list[str]) -> set[str]:
     """The directories (and their ancestors) under *trees* that hold another name of a file
-    forbidden by name: the mount refuses it under any name, a lane would not."""
+    forbidden by name (with ``hide-git``, git's objects among them, also those of a masked
+    git directory outside the workspace): the mount refuses it under any name, a lane would not."""
     backing = Backing(str(root))
     try:
-        inodes = forbidden_links(backing, policy)
+        inodes = set(forbidden_links(backing, policy))
     finally:
         backing.close()
     out: set[str] = set()

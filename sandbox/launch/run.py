@@ -10,6 +10,7 @@ when the agent ends, unmounts and prints a summary.
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import math
 import os
@@ -24,7 +25,7 @@ import termios
 import time
 import traceback
 import tty
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -74,6 +75,7 @@ from sandbox.launch.runs import (
     stage_prefix,
     user_runs,
 )
+from sandbox.launch.sockets import HostSocket, SocketJudge, mount_device, named_sockets, serve_filter
 from sandbox.launch.supervisor import ProcessTree, Spawner, wait_exit
 from sandbox.session import Session
 
@@ -109,6 +111,8 @@ class _Outcome:
     failure: dict[str, str] | None = None  # the guard's own defect: what it was, where its traceback is
     stop_on_terminal: bool = True  # a terminal trip stops the run; else it freezes the agent (terminal_action)
     console: LiveConsole | None = None  # the lines of denials and trips on the guard's stderr
+    # [sandbox] unix_sockets, as found at the start: the host's sockets and abstract names the agent may reach
+    sockets: tuple[list[HostSocket], list[bytes]] = field(default_factory=lambda: ([], []))
     left: list[str] = field(default_factory=list)  # what the agent left in guard exec's stage, not kept as it was
 
     def recorder(self, log: Path, echo: BinaryIO | None, cap: int) -> Recorder:
@@ -140,17 +144,26 @@ def run(opts: RunOptions) -> int:
     bwrap = _sandbox_tool(opts)  # a usage error is said before anything about the machine
     _check_command(opts)  # the same: before the mount
     check_fuse_available()
+    sockets = _unix_sockets(opts) if bwrap is not None else ([], [])  # a manifest error: before the mount
     made = not os.path.lexists(opts.run_dir)
     started: list[bool] = []
     try:
-        return _run(opts, bwrap, started)
+        return _run(opts, bwrap, started, sockets)
     except BaseException:
         if made and not started:
             shutil.rmtree(opts.run_dir, ignore_errors=True)
         raise
 
 
-def _run(opts: RunOptions, bwrap: str | None, started: list[bool]) -> int:
+def _unix_sockets(opts: RunOptions) -> tuple[list[HostSocket], list[bytes]]:
+    """``[sandbox] unix_sockets``, ``~`` being the agent's home; ManifestError for one that is
+    not a socket now."""
+    home = pwd.getpwnam(opts.user).pw_dir if opts.user is not None else os.environ.get("HOME") or str(Path.home())
+    return named_sockets(opts.manifest.sandbox.unix_sockets, home, str(opts.workspace.resolve()))
+
+
+def _run(opts: RunOptions, bwrap: str | None, started: list[bool],
+         sockets: tuple[list[HostSocket], list[bytes]] = ([], [])) -> int:
     """:func:`run`, from its run directory on; *started* gets an entry once the mount is up."""
     run_dir = opts.run_dir
     claim_run_dir(run_dir)  # mode 000 as root: out of every sandbox's reach (sandbox.launch.runs)
@@ -168,20 +181,22 @@ def _run(opts: RunOptions, bwrap: str | None, started: list[bool]) -> int:
     _say_where(opts)
     stop_on_terminal = _say_terminal_action(opts)
     events = EventLog(run_dir / "events.jsonl", caps=opts.manifest.record)
-    lane_stage = LaneStage(stage)
-    lane_args = _fast_lanes(opts, bwrap, lane_stage, events)
-    native_stage = NativeStage(stage)
-    native_args, planned = _native_generated(opts, bwrap, native_stage, events, private)
-    lane_args += native_args
-    outcome = _Outcome(binder=_midrun_binder(opts, bwrap, private, events, planned),
-                       stop_on_terminal=stop_on_terminal, console=_live_console(events, run_dir))
     with open(run_dir / "workspace", "w", opener=lambda p, f: os.open(p, f, 0o600)) as marker:
         marker.write(str(opts.workspace))  # for an offline guard rollback
     session = Session(opts.manifest, opts.workspace, events, run_dir=run_dir, agent_path=stage / "agent.sock",
                       checkpoints=True, cache_timeout=opts.cache_timeout, xattrs=opts.xattrs,
                       # the agent's own files in the workspace (the agents' table)
                       agent_files=AGENTS[opts.agent].own_files if opts.agent in AGENTS else (),
-                      agent_caches=AGENTS[opts.agent].own_caches if opts.agent in AGENTS else ())
+                      agent_caches=AGENTS[opts.agent].own_caches if opts.agent in AGENTS else (),
+                      git_cache=user_runs().parent / "git-history")
+    lane_stage = LaneStage(stage)
+    # Planned with the mount's own policy ("hide-git" included: a lane never shows what the mount hides).
+    lane_args = _fast_lanes(opts, bwrap, lane_stage, events, session)
+    native_stage = NativeStage(stage)
+    native_args, planned = _native_generated(opts, bwrap, native_stage, events, private)
+    lane_args += native_args
+    outcome = _Outcome(binder=_midrun_binder(opts, bwrap, private, events, planned),
+                       stop_on_terminal=stop_on_terminal, console=_live_console(events, run_dir), sockets=sockets)
     for notice in session.notices:
         _say(notice)
     if outcome.binder is not None:
@@ -453,7 +468,8 @@ def _search_path(env: Mapping[str, str]) -> str:
 
 def _agent_argv(
     opts: RunOptions, bwrap: str | None, daemon: Daemon, pty: bool, mnt: Path, lane_args: list[str],
-    removals_fd: int | None = None,
+    filter_fd: int | None = None, removals: bool = False, sockets: list[str] | None = None, *,
+    git_masks: Sequence[str] = (),
 ) -> tuple[list[str], Path, dict[str, str]]:
     # An agent of another user gets an allowlist of the guard's (root's) environment; an agent
     # of the guard's own user, that user's environment as it started guard.
@@ -511,15 +527,15 @@ def _agent_argv(
     installed = installation(executable, search, str(opts.workspace.resolve())) | reveal(_readable(opts, home))
     masks = host_secrets(own_home, other_runs)
     writable = [str(p) for p in _extra_writable(opts)] + ([str(state)] if state else [])
-    secrets = _credential_stores(opts, home, masks, writable, installed)
+    secrets = _credential_stores(opts, home, masks, writable, installed) + _git_masks(opts, git_masks)
     argv = bwrap_argv(
         bwrap=bwrap, mountpoint=str(mnt), workspace=str(opts.workspace), run_dir=str(opts.run_dir),
         agent_socket=str(daemon.agent_path), cwd=str(cwd), command=command,
         writable=writable, pty=pty,
         entry=system_entry() if opts.user is not None else None, files=files, over_workspace=lane_args,
         exec_logs=str(exec_logs), masks=masks,
-        mask_file=str(mask_file), network=opts.manifest.sandbox.network, removals_fd=removals_fd,
-        installed=installed, secrets=secrets,
+        mask_file=str(mask_file), network=opts.manifest.sandbox.network, filter_fd=filter_fd,
+        removals=removals, installed=installed, secrets=secrets, sockets=sockets or [],
     )
     if opts.user is not None:
         pw = pwd.getpwnam(opts.user)
@@ -533,7 +549,8 @@ def _agent_argv(
     return argv, Path("/"), env
 
 
-def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: EventLog) -> list[str]:
+def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: EventLog,
+                session: Session | None = None) -> list[str]:
     """bubblewrap arguments for the run's fast lanes (see sandbox.launch.lanes), said aloud and
     recorded as an event; none when the manifest declares none or there is no sandbox."""
     settings = opts.manifest.sandbox
@@ -543,7 +560,7 @@ def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: E
         _say("fast lanes are off: they need the sandbox (not --no-isolation)")
         return []
     try:
-        lanes = plan_lanes(opts.manifest, opts.workspace)
+        lanes = plan_lanes(opts.manifest, opts.workspace, policy=session.policy if session else None)
         argv = stage.bwrap_args(lanes, opts.workspace.resolve(), str(opts.workspace), staged=opts.user is not None)
     except OSError as err:  # a speed-up only: without it everything goes through the mount
         stage.cleanup()
@@ -631,6 +648,22 @@ def _credential_stores(opts: RunOptions, home: str, masks: HostMasks, writable: 
     return found
 
 
+def _git_masks(opts: RunOptions, git_dirs: Sequence[str]) -> list[str]:
+    """The git directories outside the workspace that "hide-git" masks in the sandbox (a
+    linked worktree's common directory, a separate git directory), said aloud; for an agent
+    of another user, those it can reach (its bubblewrap could mask no other, and it cannot
+    read them anyway)."""
+    if opts.user is not None:
+        pw = pwd.getpwnam(opts.user)
+        groups = set(os.getgrouplist(pw.pw_name, pw.pw_gid))
+        git_dirs = [d for d in git_dirs if reachable_by(os.path.join(d, "_"), pw.pw_uid, groups)]
+    found = [d for d in git_dirs if os.path.isdir(d)]
+    if found:
+        _say(f"git directories outside the workspace masked (paths.forbidden_in_git = \"hide-git\"): "
+             f"{printable(', '.join(found))}")
+    return found
+
+
 def _extra_writable(opts: RunOptions) -> list[Path]:
     out = []
     for entry in opts.manifest.sandbox.writable:
@@ -650,8 +683,11 @@ async def _run_agent(
     # The spawner's thread forks the agent and outlives it: see Spawner for why no trio
     # worker thread may (bubblewrap's --die-with-parent is relative to the forking thread).
     with Spawner() as spawner, contextlib.ExitStack() as streams:
-        removals, fds = _removals_socket(outcome.binder, streams)
-        argv, cwd, env = _agent_argv(opts, bwrap, daemon, use_pty, mnt, lane_args, *fds)
+        handover, fds = _filter_socket(bwrap, streams)
+        argv, cwd, env = _agent_argv(opts, bwrap, daemon, use_pty, mnt, lane_args, fds[0] if fds else None,
+                                     removals=outcome.binder is not None,
+                                     sockets=[named.path for named in outcome.sockets[0]],
+                                     git_masks=session.git_masks)
         async with trio.open_nursery() as nursery:
             if use_pty:
                 master, slave = _openpty(opts.user)
@@ -681,7 +717,7 @@ async def _run_agent(
             tree = outcome.tree = ProcessTree(proc.pid)
             try:
                 async with trio.open_nursery() as watchers:
-                    _start_watchers(watchers, session, tree, opts, outcome, removals)
+                    _start_watchers(watchers, session, tree, opts, outcome, handover, mnt)
                     with _raw_terminal(use_pty):
                         code = await wait_exit(proc)
                     outcome.status = 128 - code if code < 0 else code
@@ -698,12 +734,11 @@ async def _run_agent(
                 nursery.cancel_scope.cancel()  # the stdin forwarder never ends by itself
 
 
-def _removals_socket(binder: MidRunBinder | None, streams: contextlib.ExitStack
-                     ) -> tuple[tuple[socket.socket, socket.socket] | None, tuple[int, ...]]:
-    """The guard's and the sandbox's ends of the socket that brings the filter on directory
-    removals (sandbox.launch.seccomp), when generated trees are bound natively, and the fds
-    to pass the sandbox."""
-    if binder is None:
+def _filter_socket(bwrap: str | None, streams: contextlib.ExitStack
+                   ) -> tuple[tuple[socket.socket, socket.socket] | None, tuple[int, ...]]:
+    """The guard's and the sandbox's ends of the socket that brings the sandbox's seccomp
+    filter (sandbox.launch.seccomp), in every isolated run, and the fds to pass the sandbox."""
+    if bwrap is None:
         return None, ()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     streams.callback(theirs.close)
@@ -712,16 +747,23 @@ def _removals_socket(binder: MidRunBinder | None, streams: contextlib.ExitStack
 
 
 def _start_watchers(watchers: trio.Nursery, session: Session, tree: ProcessTree, opts: RunOptions,
-                    outcome: _Outcome, removals: tuple[socket.socket, socket.socket] | None) -> None:
+                    outcome: _Outcome, handover: tuple[socket.socket, socket.socket] | None, mnt: Path) -> None:
     """The tasks that live as long as the agent: the breaker's watcher, the signal handler,
-    and the binder of generated trees made during the run (with its watch on removals)."""
+    the guard's end of the sandbox's filter (connects judged, removals watched) and the binder
+    of generated trees made during the run."""
     watchers.start_soon(_watch, session, tree, opts, outcome)
     watchers.start_soon(_on_signals, tree, outcome)
     if outcome.binder is not None:
         watchers.start_soon(outcome.binder.serve, tree)
-        if removals is not None:
-            removals[1].close()  # the sandbox's end, held by its entry step now: EOF if it ends first
-            watchers.start_soon(outcome.binder.watch_removals, removals[0], tree)
+    if handover is not None:
+        handover[1].close()  # the sandbox's end, held by its entry step now: EOF if it ends first
+        fuse = mount_device(os.path.join(os.path.realpath(mnt.parent), mnt.name))  # no stat through the mount
+        named, abstract = outcome.sockets
+        judge = SocketJudge(agent_socket=str(session.daemon.agent_path), named=named, abstract=abstract,
+                            network=opts.manifest.sandbox.network, private_devs=[fuse] if fuse is not None else [],
+                            emit=session.events.emit, say=lambda text: _say(printable(text)))
+        removals = None if outcome.binder is None else functools.partial(outcome.binder.serve_removals, tree)
+        watchers.start_soon(serve_filter, handover[0], judge, removals)
 
 
 def _give(fd: int, user: str | None) -> None:
