@@ -144,11 +144,16 @@ class InodeTable:
             entry.aliases.clear()
         elif entry.path != path:
             where = where or self._judge(st_ino, path, is_dir)
-            if is_dir or _STRICTNESS[where.scope] <= _STRICTNESS[entry.where.scope]:
-                entry.where = where
-            if not is_dir:  # another hard link: the old name stays valid
-                entry.aliases.add(entry.path)
-                entry.aliases.discard(path)
+            if entry.nameless:
+                # Alive (pinned or open) and found again under a name the mount had not seen (a
+                # hard link made on the host): named again; the name it lost stays lost.
+                entry.where, entry.nameless = where, False
+            else:
+                if is_dir or _STRICTNESS[where.scope] <= _STRICTNESS[entry.where.scope]:
+                    entry.where = where
+                if not is_dir:  # another hard link: the old name stays valid
+                    entry.aliases.add(entry.path)
+            entry.aliases.discard(path)
             entry.path = path
         entry.lookups += 1
         return entry

@@ -124,6 +124,30 @@ def test_an_inode_renamed_over_is_served_until_it_is_let_go(tmp_path: Path) -> N
         wait_for(lambda: not [e for e in g.fs.inodes if e.pin is not None], "the pin closed")
 
 
+def test_a_pinned_inode_found_again_under_another_name_is_a_named_file(tmp_path: Path) -> None:
+    """A hard link the mount had not seen (made on the host before the run): the guard pins the
+    inode when its only known name goes, then the agent finds it under the other name. Writes
+    there reach a name: they are counted, with a pre-image, and it may be linked again."""
+    (tmp_path / "backing/work").mkdir(parents=True)
+    (tmp_path / "backing/work/a").write_text("one\n")
+    os.link(tmp_path / "backing/work/a", tmp_path / "backing/work/b")
+    with guarded_mount(tmp_path, RACE_MANIFEST) as g:
+        work = g.mnt / "work"
+        held = os.open(work / "a", os.O_PATH)  # the kernel holds the inode, known as "a" only
+        try:
+            os.unlink(work / "a")
+            assert [e for e in g.fs.inodes if e.pin is not None], "its last known name went: pinned"
+            (work / "b").write_text("two\n")
+            entry = next(e for e in g.fs.inodes if e.path == "work/b")
+            assert not entry.nameless and entry.aliases == set()
+            os.link(work / "b", work / "c")
+            assert (g.backing / "work/c").read_text() == "two\n"
+        finally:
+            os.close(held)
+        written = [e for e in g.events() if e["op"] in ("write", "open") and e.get("path") == "work/b"]
+        assert written, g.events()
+
+
 @pytest.mark.root
 @pytest.mark.slow
 @pytest.mark.parametrize("user", [None, "nobody"])
