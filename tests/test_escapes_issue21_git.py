@@ -323,6 +323,55 @@ def test_a_git_object_hard_linked_into_a_fast_lane_stays_behind_the_mount(tmp_pa
     assert "fast lanes (read natively" in proc.stderr and "vendor/other" in proc.stderr, proc.stderr
 
 
+NATIVE_MANIFEST = """
+[task]
+id = "fix-tax"
+goal = "Fix the tax rounding helper in src/checkout/"
+[paths]
+allowed = ["src/checkout/", "node_modules/"]
+generated = ["node_modules/"]
+forbidden = ["/.env"]
+forbidden_in_git = "hide-git"
+"""
+
+NATIVE_READ = r"""
+python3 -c "
+import zlib
+for name in ('node_modules/pkg/data.bin', 'node_modules/dep/.git/HEAD', 'node_modules/dep/index.js'):
+    try: print(name, zlib.decompress(open(name, 'rb').read()) if name.endswith('.bin') else open(name).read())
+    except OSError as err: print(name, 'refused', err.errno)
+"
+grep -c node_modules /proc/self/mountinfo
+echo reads-done
+"""
+
+
+@pytest.mark.parametrize("user", [None, "nobody"])
+def test_hide_git_holds_in_a_native_generated_tree(tmp_path: Path, user: str | None) -> None:
+    """A generated tree bound natively is planned with the mount's policy too: under hide-git, a
+    hard link of a git object in it and a git directory inside it are masked, as the mount hides them."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    _base(ws)
+    _git(ws, "add", ".env")
+    _git(ws, "commit", "-qm", "tracks the secret")
+    blob = _git(ws, "rev-parse", "HEAD:.env").strip()
+    (ws / "node_modules/pkg").mkdir(parents=True)
+    (ws / "node_modules/dep/.git").mkdir(parents=True)
+    (ws / "node_modules/dep/.git/HEAD").write_text("ref: refs/heads/main\n")
+    (ws / "node_modules/dep/index.js").write_text("module.exports = 1\n")
+    os.link(ws / ".git/objects" / blob[:2] / blob[2:], ws / "node_modules/pkg/data.bin")
+    proc, run_dir = _guard_run(tmp_path, ws, NATIVE_READ, user, manifest=NATIVE_MANIFEST)
+    out = _printed(run_dir)
+    assert "reads-done" in out, proc.stderr[-3000:]
+    assert "generated trees (written natively, not seen by the breaker): node_modules; 2 forbidden path(s) " \
+        "masked inside" in proc.stderr, proc.stderr
+    assert SECRET.strip() not in out, out
+    assert "node_modules/pkg/data.bin refused 13" in out, out
+    assert "node_modules/dep/.git/HEAD refused" in out, out
+    assert "node_modules/dep/index.js module.exports = 1" in out, out
+
+
 def test_the_second_run_over_the_same_store_is_answered_from_the_cache(tmp_path: Path) -> None:
     ws = tmp_path / "ws"
     ws.mkdir()

@@ -104,10 +104,10 @@ def _literal(patterns: list[str]) -> tuple[set[str], set[str]]:
 
 
 class _Planner:
-    def __init__(self, manifest: Manifest, root: Path) -> None:
+    def __init__(self, manifest: Manifest, root: Path, policy: PathPolicy | None = None) -> None:
         self.root = root
         self.dev = root.stat().st_dev
-        self.policy = PathPolicy(manifest)
+        self.policy = policy if policy is not None else PathPolicy(manifest)
         self.allowed = pathspec.GitIgnoreSpec.from_lines(manifest.paths.allowed)
         self.out = NativeTrees()
 
@@ -188,10 +188,13 @@ def _could_be_under(pattern: str, path: str) -> bool:
     return True
 
 
-def plan_native(manifest: Manifest, workspace: Path, max_masks: int = MAX_MASKS) -> NativeTrees:
-    """The native generated trees of *workspace* under *manifest*, with their masks."""
+def plan_native(manifest: Manifest, workspace: Path, max_masks: int = MAX_MASKS,
+                policy: PathPolicy | None = None) -> NativeTrees:
+    """The native generated trees of *workspace* under *manifest*, with their masks; *policy* is
+    the mount's (``hide-git`` included: a git directory inside a tree, and a hard link of one of
+    its files, are masked as the mount hides them)."""
     root = workspace.resolve()
-    planner = _Planner(manifest, root)
+    planner = _Planner(manifest, root, policy)
     out = planner.out
     anchored, names = _literal(list(getattr(manifest.paths, "generated", [])))
     candidates: list[str] = []
@@ -212,7 +215,7 @@ def plan_native(manifest: Manifest, workspace: Path, max_masks: int = MAX_MASKS)
     for tree in sorted(set(candidates)):
         if any(tree.startswith(c + "/") for c in candidates):
             continue  # inside another native tree
-        files, dirs = _masks(root, tree, manifest, max_masks, inodes)
+        files, dirs = _masks(root, tree, manifest, max_masks, inodes, hide_git=planner.policy.hide_git)
         if files is None or dirs is None:
             out.skipped.append(f"{tree}: more than {max_masks} forbidden paths inside; it stays behind the mount")
             continue
@@ -396,7 +399,8 @@ def _forbidden_inodes(root: Path, policy: PathPolicy) -> set[int]:
 
 
 def _masks(root: Path, tree: str, manifest: Manifest, limit: int,
-           inodes: set[int] | frozenset[int] = frozenset()) -> tuple[list[str] | None, list[str] | None]:
+           inodes: set[int] | frozenset[int] = frozenset(), hide_git: bool = False
+           ) -> tuple[list[str] | None, list[str] | None]:
     """Forbidden files and directories under *tree*, and other names of the files forbidden
     by name (*inodes*); (None, None) past *limit*. Symlinks are left: they resolve through the
     sandbox's own view, where their targets are judged.
@@ -416,7 +420,7 @@ def _masks(root: Path, tree: str, manifest: Manifest, limit: int,
             path = f"{rel}/{name}"
             if os.path.islink(os.path.join(dirpath, name)):
                 continue
-            if policy.secret(path, True) is not None:
+            if policy.secret(path, True) is not None or (hide_git and name == ".git"):
                 dirs.append(path)
             else:
                 keep.append(name)
@@ -425,7 +429,8 @@ def _masks(root: Path, tree: str, manifest: Manifest, limit: int,
             path = f"{rel}/{name}"
             if os.path.islink(os.path.join(dirpath, name)):
                 continue
-            if policy.secret(path, False) is not None or (inodes and _linked(os.path.join(dirpath, name), inodes)):
+            if policy.secret(path, False) is not None or (hide_git and name == ".git") or (
+                    inodes and _linked(os.path.join(dirpath, name), inodes)):
                 files.append(path)
         if len(files) + len(dirs) > limit:
             return None, None

@@ -193,7 +193,7 @@ def _run(opts: RunOptions, bwrap: str | None, started: list[bool],
     # Planned with the mount's own policy ("hide-git" included: a lane never shows what the mount hides).
     lane_args = _fast_lanes(opts, bwrap, lane_stage, events, session)
     native_stage = NativeStage(stage)
-    native_args, planned = _native_generated(opts, bwrap, native_stage, events, private)
+    native_args, planned = _native_generated(opts, bwrap, native_stage, events, private, session)
     lane_args += native_args
     outcome = _Outcome(binder=_midrun_binder(opts, bwrap, private, events, planned),
                        stop_on_terminal=stop_on_terminal, console=_live_console(events, run_dir), sockets=sockets)
@@ -576,14 +576,14 @@ def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: E
 
 
 def _native_generated(opts: RunOptions, bwrap: str | None, stage: NativeStage, events: EventLog,
-                      private: bool = True) -> tuple[list[str], list[str]]:
+                      private: bool = True, session: Session | None = None) -> tuple[list[str], list[str]]:
     """bubblewrap arguments binding the run's in-scope generated directories natively and
     writable (see sandbox.launch.native), said aloud and recorded as an event; and the trees
     bound. *private*: the guard can bind trees made during the run (sandbox.launch.inject)."""
     if not opts.manifest.sandbox.native_generated or bwrap is None:
         return [], []  # without the sandbox, nothing is bound: every path goes through the mount
     try:
-        native = plan_native(opts.manifest, opts.workspace)
+        native = plan_native(opts.manifest, opts.workspace, policy=session.policy if session else None)
         argv = stage.bwrap_args(native, opts.workspace.resolve(), str(opts.workspace), staged=opts.user is not None)
     except OSError as err:  # a speed-up only: without it the trees go through the mount
         stage.cleanup()
