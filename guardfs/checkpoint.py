@@ -52,13 +52,13 @@ import trio
 from guardfs.backing import Backing, openat2
 from guardfs.errors import Exit, GuardError
 from guardfs.events import Emit
+from guardfs.harvest import copy_extents
 
 __all__ = [
     "CHECKPOINT_MAX_BYTES", "CheckpointError", "PreImages", "Rollback", "last_rollback", "restore_points",
     "rollback_offline",
 ]
 
-_COPY_CHUNK = 1 << 20
 # Files up to this size are copied on the loop, not in a worker thread.
 _INLINE_COPY_BYTES = 1 << 16
 _FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
@@ -458,45 +458,8 @@ def _clone(src: int, out: int) -> None:
         if err.errno not in _NO_SHORTCUT:
             raise
     size = os.fstat(src).st_size
-    pos = 0
-    while pos < size:
-        try:
-            data = os.lseek(src, pos, os.SEEK_DATA)
-        except OSError as err:
-            if err.errno == errno.ENXIO:
-                break  # nothing but a hole up to the end
-            if err.errno != errno.EINVAL:
-                raise
-            data, end = pos, size  # no SEEK_DATA here: all of it is data
-        else:
-            end = min(os.lseek(src, data, os.SEEK_HOLE), size)
-        _copy_range(src, out, data, end - data)
-        pos = end
+    copy_extents(src, out, size)
     os.ftruncate(out, size)
-
-
-def _copy_range(src: int, out: int, offset: int, count: int) -> None:
-    """Copy *count* bytes at *offset* from *src* to the same offset of *out*."""
-    end = offset + count
-    try:
-        while offset < end:
-            done = os.copy_file_range(src, out, min(end - offset, 1 << 30), offset, offset)
-            if done == 0:
-                return  # the file ended sooner
-            offset += done
-        return
-    except OSError as err:
-        if err.errno not in _NO_SHORTCUT:
-            raise
-    while offset < end:
-        chunk = os.pread(src, min(end - offset, _COPY_CHUNK), offset)
-        if not chunk:
-            return
-        view = memoryview(chunk)
-        while view:
-            written = os.pwrite(out, view, offset)
-            view = view[written:]
-            offset += written
 
 
 def _check_private(path: Path, what: str) -> os.stat_result:

@@ -55,6 +55,7 @@ import pathspec
 from dulwich.index import read_index_dict
 
 from guardfs.gitguard import GITFILE_PREFIX, link_value
+from guardfs.harvest import walk
 
 __all__ = ["MAX_OBJECTS", "MAX_SECONDS", "Found", "HistoryTooLarge", "Repository", "Scan", "common_dir_of",
            "find_repositories", "resolve_gitfile", "scan_repository", "secret_files", "tail_spec"]
@@ -162,7 +163,7 @@ def find_repositories(root: str) -> list[Repository]:
     found: dict[str, Repository] = {}
     git_dirs: list[str] = []
     root = os.path.abspath(root)
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in walk(root):  # any depth: an agent may leave a deep tree
         rel = os.path.relpath(dirpath, root)
         prefix = "" if rel == "." else rel.replace(os.sep, "/")
         if ".git" in dirnames:
@@ -179,7 +180,7 @@ def find_repositories(root: str) -> list[Repository]:
     # directories of the gitfiles'), whether a work tree of the workspace uses them or not.
     stores = dict.fromkeys([*git_dirs, *(r.common_dir for r in found.values())])
     for git_dir in stores:
-        for dirpath, dirnames, _files in os.walk(os.path.join(git_dir, "modules")):
+        for dirpath, dirnames, _files in walk(os.path.join(git_dir, "modules")):
             if _is_git_dir(dirpath) and os.path.exists(os.path.join(dirpath, "HEAD")):
                 found.setdefault(os.path.normpath(dirpath), Repository(None, dirpath, common_dir_of(dirpath)))
                 dirnames[:] = [d for d in dirnames if d == "modules"]
@@ -486,13 +487,13 @@ def _store_state(common_dir: str, depth: int = 0) -> list[object]:
     for name in ("HEAD", "packed-refs", "refs", "logs"):
         top = os.path.join(common_dir, name)
         state.append([name, _stat_key(top)])
-        for dirpath, _dirs, files in os.walk(top):
+        for dirpath, _dirs, files in walk(top):
             state.append([os.path.relpath(dirpath, common_dir), _stat_key(dirpath)])
             state += [[n, _stat_key(os.path.join(dirpath, n))] for n in sorted(files)]
     with contextlib.suppress(OSError), os.scandir(os.path.join(common_dir, "worktrees")) as it:
         for entry in sorted(it, key=lambda e: e.name):  # each worktree's HEAD and reflogs
             for name in ("HEAD", "logs"):
-                for dirpath, _dirs, files in os.walk(os.path.join(entry.path, name)):
+                for dirpath, _dirs, files in walk(os.path.join(entry.path, name)):
                     state += [[os.path.join(dirpath, n), _stat_key(os.path.join(dirpath, n))] for n in sorted(files)]
                 state.append([entry.name, name, _stat_key(os.path.join(entry.path, name))])
     return state
@@ -572,7 +573,7 @@ def secret_files(root: str, is_secret: _Secret) -> dict[str, str]:
     """Git's blob id → workspace path, for each secret regular file of the workspace *root*
     (git directories not entered)."""
     out: dict[str, str] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in walk(root):
         dirnames[:] = [d for d in dirnames if d != ".git"]
         rel = os.path.relpath(dirpath, root)
         for name in filenames:

@@ -30,13 +30,13 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from guardfs.backing import openat2
 from guardfs.events import printable
 
-__all__ = ["MAX_ENTRIES", "Harvest", "harvest", "remove_tree", "strip_set_id"]
+__all__ = ["MAX_ENTRIES", "Harvest", "copy_extents", "harvest", "remove_tree", "strip_set_id", "walk"]
 
 #: The most entries of one directory :func:`harvest` looks at; the rest are said, not read.
 MAX_ENTRIES = 10_000
@@ -125,7 +125,7 @@ def _copy_entry(src: int, dst: int, name: str, max_file: int, out: Harvest) -> s
             return "not copied: the run directory already holds that name"
         try:
             end = min(st.st_size, max_file)
-            _copy_data(fd, copy, end)
+            copy_extents(fd, copy, end)
             os.ftruncate(copy, end)
             out.blocks += os.fstat(copy).st_blocks
         except BaseException:
@@ -141,8 +141,9 @@ def _copy_entry(src: int, dst: int, name: str, max_file: int, out: Harvest) -> s
     return None
 
 
-def _copy_data(src: int, dst: int, end: int) -> None:
-    """Copy the data extents of *src* below offset *end* to the same offsets of *dst*."""
+def copy_extents(src: int, dst: int, end: int) -> None:
+    """Copy the data extents of *src* below offset *end* to the same offsets of *dst*: holes stay
+    holes (a sparse file costs only its data), and nothing past what *src* holds is made up."""
     pos = 0
     while pos < end:
         try:
@@ -156,16 +157,55 @@ def _copy_data(src: int, dst: int, end: int) -> None:
         else:
             hole = os.lseek(src, data, os.SEEK_HOLE)
         stop = min(hole, end)
-        while data < stop:
-            chunk = os.pread(src, min(stop - data, _CHUNK), data)
-            if not chunk:
-                return  # shorter than it said
-            view = memoryview(chunk)
-            while view:
-                written = os.pwrite(dst, view, data)
-                view = view[written:]
-                data += written
+        if not _copy_range(src, dst, data, stop):
+            return  # shorter than it said
         pos = stop
+
+
+#: copy_file_range cannot serve here (another filesystem, an old kernel...): bytes are copied.
+_NO_RANGE = frozenset({errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EPERM})
+
+
+def _copy_range(src: int, dst: int, offset: int, end: int) -> bool:
+    """Copy the bytes of *src* from *offset* to *end* to the same offsets of *dst*; False when
+    *src* ended sooner."""
+    try:
+        while offset < end:
+            done = os.copy_file_range(src, dst, min(end - offset, 1 << 30), offset, offset)
+            if done == 0:
+                return False
+            offset += done
+        return True
+    except OSError as err:
+        if err.errno not in _NO_RANGE:
+            raise
+    while offset < end:
+        chunk = os.pread(src, min(end - offset, _CHUNK), offset)
+        if not chunk:
+            return False
+        view = memoryview(chunk)
+        while view:
+            written = os.pwrite(dst, view, offset)
+            view = view[written:]
+            offset += written
+    return True
+
+
+def walk(top: str) -> Iterator[tuple[str, list[str], list[str]]]:
+    """``os.walk(top)`` (top down, *dirnames* prunable, no link followed, unreadable directories
+    skipped) without its recursion: a tree an agent left deeper than Python's stack (1,000
+    levels) raised RecursionError at the next run's start."""
+    stack = [top]
+    while stack:
+        dirpath = stack.pop()
+        try:
+            with os.scandir(dirpath) as entries:
+                listed = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+        except OSError:
+            continue  # gone, unreadable, or past PATH_MAX: bubblewrap could bind nothing there either
+        dirnames = [name for name, is_dir in listed if is_dir]
+        yield dirpath, dirnames, [name for name, is_dir in listed if not is_dir]
+        stack += [os.path.join(dirpath, name) for name in reversed(dirnames)]
 
 
 def remove_tree(path: str | os.PathLike[str]) -> list[str]:

@@ -312,7 +312,7 @@ def test_a_huge_file_first_change_does_not_stall_other_requests(
             second.join(30)
         assert results == {"1": "done", "2": "done"}
     assert big.stat().st_size == SPARSE + 2
-    _check_sparse_blob(tmp_path / "checkpoint/0000")
+    _check_sparse_blob(tmp_path / "checkpoint/0000", big)
 
 
 def _sparse_workspace(backing: Path) -> Path:
@@ -328,8 +328,8 @@ def _sparse_workspace(backing: Path) -> Path:
     return big
 
 
-def _check_sparse_blob(generation: Path) -> None:
-    """The one pre-image in *generation* is the sparse file as it was, holes and all."""
+def _check_sparse_blob(generation: Path, big: Path) -> None:
+    """The one pre-image in *generation* is the sparse file *big* as it was, holes and all."""
     (blob,) = [p for p in generation.iterdir() if p.name != "index.jsonl"]
     assert blob.stat().st_size == SPARSE
     assert blob.stat().st_blocks * 512 < 1 * MiB  # the holes stayed holes
@@ -340,7 +340,9 @@ def _check_sparse_blob(generation: Path) -> None:
         f.seek(SPARSE // 2)
         assert f.read(6) == b"middle"
     index = [json.loads(line) for line in (generation / "index.jsonl").read_text().splitlines()]
-    assert index == [{"path": "src/checkout/big.bin", "kind": "file", "mode": 0o644, "blob": blob.name}]
+    st = os.stat(big)
+    assert index == [{"path": "src/checkout/big.bin", "kind": "file", "mode": 0o644, "blob": blob.name,
+                      "ino": st.st_ino, "uid": st.st_uid, "gid": st.st_gid}]  # the owner, for a rollback
 
 
 @pytest.mark.mount

@@ -40,7 +40,6 @@ import errno
 import logging
 import os
 import stat
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +48,7 @@ import pathspec
 from guardfs import harvest
 from guardfs.backing import Backing
 from guardfs.decision import Verdict
+from guardfs.harvest import walk
 from guardfs.links import forbidden_links
 from guardfs.manifest import Manifest
 from guardfs.policy import GENERATED_RULE, GUARD_DIR, PathPolicy, Scope
@@ -413,7 +413,7 @@ def _masks(root: Path, tree: str, manifest: Manifest, limit: int,
     policy = PathPolicy(manifest)
     files: list[str] = []
     dirs: list[str] = []
-    for dirpath, dirnames, filenames in _walk(str(root / tree)):
+    for dirpath, dirnames, filenames in walk(str(root / tree)):
         rel = os.path.relpath(dirpath, root)
         keep = []
         for name in dirnames:
@@ -435,23 +435,6 @@ def _masks(root: Path, tree: str, manifest: Manifest, limit: int,
         if len(files) + len(dirs) > limit:
             return None, None
     return files, dirs
-
-
-def _walk(top: str) -> Iterator[tuple[str, list[str], list[str]]]:
-    """``os.walk(top)`` (top down, *dirnames* prunable, no link followed, unreadable directories
-    skipped) without its recursion: a tree an agent left deeper than Python's stack (1,000
-    levels) raised RecursionError at the next run's start."""
-    stack = [top]
-    while stack:
-        dirpath = stack.pop()
-        try:
-            with os.scandir(dirpath) as entries:
-                listed = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
-        except OSError:
-            continue  # gone, unreadable, or past PATH_MAX: bubblewrap could bind nothing there either
-        dirnames = [name for name, is_dir in listed if is_dir]
-        yield dirpath, dirnames, [name for name, is_dir in listed if not is_dir]
-        stack += [os.path.join(dirpath, name) for name in reversed(dirnames)]
 
 
 def _linked(path: str, inodes: set[int] | frozenset[int]) -> bool:
