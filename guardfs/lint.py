@@ -65,13 +65,15 @@ class _Entry:
         return self.path + "/" if self.is_dir else self.path
 
 
-def lint(manifest: Manifest, workspace: str | os.PathLike[str]) -> list[Lint]:
-    """The warnings about *manifest* for the workspace at *workspace*, most serious first."""
+def lint(manifest: Manifest, workspace: str | os.PathLike[str], git_cache: Path | None = None) -> list[Lint]:
+    """The warnings about *manifest* for the workspace at *workspace*, most serious first;
+    *git_cache* is where ``guard run`` keeps its check of git's stores (shared: a check here
+    spares the run its walk, and the other way round)."""
     root = Path(workspace)
     policy = PathPolicy(manifest)
     entries, complete = _walk(root, policy)
     keyed = _patterns(manifest)
-    out = _tracked_secrets(manifest, root, policy)
+    out = _tracked_secrets(manifest, root, policy, git_cache)
     out += _absolute_secrets(manifest, root)
     out += _void_allowed(manifest, policy, entries)
     out += _idle_negations(keyed, entries)
@@ -266,36 +268,41 @@ def _absolute_secrets(manifest: Manifest, root: Path) -> list[Lint]:
     return out
 
 
-def _tracked_secrets(manifest: Manifest, root: Path, policy: PathPolicy) -> list[Lint]:
-    """Secrets git tracks, with what each forbidden_in_git mode would do (guardfs.gitscope)."""
-    from guardfs.gitscope import GitScope
+def _tracked_secrets(manifest: Manifest, root: Path, policy: PathPolicy, git_cache: Path | None) -> list[Lint]:
+    """Secrets git holds anywhere (HEAD, the index, and every repository's whole store: the
+    check ``guard run`` makes at start, guardfs.githistory), with what each forbidden_in_git
+    mode would do about them."""
+    from guardfs.githistory import check_workspace
 
-    if not (root / ".git").exists():
-        return []
-    try:
-        scope = GitScope(root, policy)
-    except OSError:
-        return []
-    try:
-        tracked = scope.tracked_forbidden
-    finally:
-        scope.close()
+    where: dict[str, list[str]] = {}
+    history = check_workspace(
+        os.fspath(root), lambda p: policy.classify(p.rstrip("/"), p.endswith("/")).scope is Scope.FORBIDDEN,
+        manifest.paths.workspace_secrets, cache_dir=git_cache)
+    for repo, found in history.found:
+        where.setdefault(found.path, []).extend(w if repo.prefix == "" else f"{w} in {repo.label}" for w in found.where)
+    tracked = sorted(where)
+    out: list[Lint] = []
+    if history.problem is not None:
+        out.append(Lint("paths.forbidden_in_git", None, (
+            f"{history.problem}; guard run fails closed: {manifest.paths.forbidden_in_git!r} then refuses the start "
+            "or hides git"), "remove what the stores hold that you do not need (git gc --prune=now), or run with "
+                            'forbidden_in_git = "hide-git"'))
     by_rule: dict[tuple[str, str | None], list[str]] = {}
     for path in tracked:
-        where = policy.classify(path, False)
-        by_rule.setdefault((where.key, where.pattern), []).append(path)
+        verdict = policy.classify(path, False)
+        by_rule.setdefault((verdict.key, verdict.pattern), []).append(path)
     mode = manifest.paths.forbidden_in_git
     modes = {
         "refuse": "guard run does not start (exit 65)",
-        "hide-git": "guard run hides .git/ from the agent (git does not work in the run)",
+        "hide-git": "guard run hides every git directory from the agent (git does not work in the run)",
         "warn": "guard run starts and warns that their contents are readable through git",
     }
     said = "; ".join(f"{'[now] ' if m == mode else ''}{m!r}: {what}" for m, what in modes.items())
-    out = []
     for (key, pattern), paths in by_rule.items():
-        shown = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+        shown = ", ".join(f"{p} ({', '.join(dict.fromkeys(where[p]))})" for p in paths[:5]) + (
+            f" and {len(paths) - 5} more" if len(paths) > 5 else "")
         out.append(Lint(key, pattern, (
-            f"git tracks {len(paths)} secret path(s) ({shown}), whose contents git show HEAD:<path> would print "
+            f"git holds {len(paths)} secret path(s): {shown}; git show <commit>:<path> would print them "
             f"whatever the mount refuses. forbidden_in_git = {said}"), (
             "if they must only never be written (CI workflows, migrations, lockfiles), move the pattern to "
             "[paths] protected, which git may track; if they are secrets, remove them from git (git rm --cached, "

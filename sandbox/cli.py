@@ -298,6 +298,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from guardfs.lint import lint
     from guardfs.manifest import is_outside_secret, load_manifest
     from guardfs.policy import PathPolicy
+    from sandbox.launch.runs import user_runs
     from sandbox.launch.workspace import workspace_for
 
     workspace = workspace_for(Path.cwd(), args.workspace)
@@ -309,7 +310,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
                          'Write one with guard init --allow DIR... "the task\'s goal", or name one: guard check '
                          "MANIFEST")
     manifest = load_manifest(path)
-    warnings = lint(manifest, workspace)
+    warnings = lint(manifest, workspace, git_cache=user_runs().parent / "git-history")  # guard run's own cache
     for warning in warnings:
         print(f"warning: {warning}")
     p = manifest.paths

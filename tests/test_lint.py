@@ -138,6 +138,20 @@ def test_a_pattern_that_would_have_reached_into_a_generated_tree(tmp_path: Path)
     assert named.classify(f"{SITE}/certifi/cacert.pem", False).scope is Scope.FORBIDDEN
 
 
+def test_a_secret_only_in_gits_history_is_said_as_guard_run_refuses_it(tmp_path: Path) -> None:
+    """guard check sees what guard run's start check sees: a secret committed once and removed
+    from the index since (git rm --cached) lives in an earlier commit, named with its ref."""
+    ws = repository(tmp_path, track=(".env",))
+    env = git_env(ws)
+    subprocess.run(["git", "-C", str(ws), "rm", "-q", "--cached", ".env"], check=True, env=env)
+    subprocess.run(["git", "-C", str(ws), "commit", "-qm", "untrack"], check=True, env=env)
+    found = lint(parse_manifest(HEAD + 'allowed = ["app/"]\nsecret = [".env*"]\n'), ws, git_cache=tmp_path / "cache")
+    warning = about(found, "paths.secret", ".env*")
+    assert "git holds 1 secret path(s): .env (commit " in warning.problem and "~1)" in warning.problem
+    assert "[now] 'refuse'" in warning.problem
+    assert list((tmp_path / "cache").iterdir()), "the check is cached where guard run looks"
+
+
 @pytest.mark.parametrize("mode", ["refuse", "hide-git", "warn"])
 def test_secrets_tracked_by_git_with_what_each_mode_does(tmp_path: Path, mode: str) -> None:
     ws = repository(tmp_path, track=(".env",))
@@ -145,9 +159,10 @@ def test_secrets_tracked_by_git_with_what_each_mode_does(tmp_path: Path, mode: s
                      ws)
     for pattern, path in ((".env*", ".env"), (".github/workflows/", ".github/workflows/ci.yml")):
         warning = about(found, "paths.forbidden", pattern)
-        assert f"git tracks 1 secret path(s) ({path})" in warning.problem
+        assert f"git holds 1 secret path(s): {path} (the index, commit " in warning.problem
         assert f"[now] {mode!r}" in warning.problem
-        for other, effect in (("refuse", "does not start"), ("hide-git", "hides .git/"), ("warn", "starts and warns")):
+        for other, effect in (("refuse", "does not start"), ("hide-git", "hides every git directory"),
+                              ("warn", "starts and warns")):
             assert f"{other!r}: guard run {effect}" in warning.problem
         assert "move the pattern to [paths] protected" in warning.fix
     # Protected paths may be tracked: the .env warning stays, the workflow's goes.
