@@ -355,7 +355,10 @@ class GuardFS(pyfuse3.Operations):
             return
         if entry.path != path or entry.aliases:
             return  # another name of it stays
-        fd = self.backing.open(path, os.O_PATH)
+        try:
+            fd = self.backing.open(path, os.O_PATH)
+        except OSError:
+            return  # not there to pin (another layer's, gone): the request goes on without one
         # The agent decides how many such inodes the kernel holds (an O_PATH descriptor of its
         # own costs the guard none): pins stop at the reserve, as opens for the agent do.
         if fd >= self._fd_ceiling or self._fstat(fd, path).st_ino != entry.backing_ino:
