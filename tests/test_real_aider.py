@@ -154,8 +154,10 @@ def test_aider_in_scope_edit_lands_out_of_scope_refused_own_files_kept(tmp_path:
         git_log(ws)
     assert "[user]" not in (ws / ".git/config").read_text()
     assert (ws / ".gitignore").read_text() == ".env\n"
-    # aider's HOME was the run's own: the user's home holds what it held.
-    assert sorted(p.name for p in home.iterdir()) == [".aider.model.metadata.json"]
+    # aider's HOME was the run's own: the user's home holds what it held, and the guard's own state
+    # (its check of git's stores, cached where guard run keeps its runs: ~/.local/state/guardfs).
+    assert sorted(p.name for p in home.iterdir()) == [".aider.model.metadata.json", ".local"]
+    assert [p.name for p in (home / ".local/state/guardfs").iterdir()] == ["git-history"]
     # Its model call reached the breaker (its analytics log, on stdout): streamed, with aider's own
     # count of the tokens (its prompt is ~2.5k; the other test sees the model's usage, exactly).
     steps = [e for e in events if e["op"] == "step"]
