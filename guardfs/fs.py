@@ -51,7 +51,7 @@ from guardfs.rename import (
     plan_rename,
 )
 from guardfs.scratch import ScratchBacking
-from guardfs.sessions import OpenFile, WriteSessions, invalidate_later, read_small
+from guardfs.sessions import OpenFile, WriteSessions, forget_names_again, invalidate_later, read_small
 from guardfs.virtual import GuardNode, default_state
 
 if TYPE_CHECKING:  # dulwich is imported only where a run judges git state
@@ -445,15 +445,22 @@ class GuardFS(pyfuse3.Operations):
         # Only a directory the kernel knows and still there: not the inode of a symlink or a
         # removed directory the rollback replaced (its number may be a file's by now).
         dirs = {e.path: e for e in self.inodes if not e.virtual and e.is_dir and not e.nameless}
+        names: list[tuple[int, bytes]] = []
         for path in changed:
             self._rolled_back(path)
             parent = self._still_there(dirs.get(path.rpartition("/")[0]))
             name = pyfuse3.FileNameT(os.fsencode(path.rpartition("/")[2]))
             if parent is not None:
                 pyfuse3.invalidate_entry_async(pyfuse3.InodeT(parent.ino), name, ignore_enoent=True)
+                names.append((parent.ino, name))
             entry = by_path.get(path)
             if entry is not None:
                 invalidate_later(entry.ino)
+        self.backing.forget_dirs()  # directory fds cached by path may name what the rollback moved
+        if names:
+            # Once more, a moment later: a lookup answered while the agent raced the rollback
+            # could leave the old entry cached for the whole entry timeout (seen: 1 run in 8).
+            forget_names_again(names)
         self.events.emit("rollback", "", "allow", paths=len(changed))
         return changed
 

@@ -66,6 +66,23 @@ def invalidate_later(ino: int) -> None:
     threading.Thread(target=_invalidate, args=(ino,), daemon=True).start()
 
 
+def _forget_names(names: list[tuple[int, bytes]]) -> None:
+    for parent, name in names:
+        try:
+            pyfuse3.invalidate_entry(pyfuse3.InodeT(parent), pyfuse3.FileNameT(name))
+        except OSError as err:  # not cached (any more): nothing to forget
+            log.debug("invalidate_entry(%d, %r): %s", parent, name, err)
+
+
+def forget_names_again(names: list[tuple[int, bytes]], after: float = 0.5) -> None:
+    """Make the kernel forget the (parent inode, name) entries *names* once more, *after*
+    seconds, from a thread of its own: a name the kernel looked up while the workspace changed
+    behind the mount (a rollback) and cached from the old answer is dropped then too."""
+    timer = threading.Timer(after, _forget_names, args=(names,))
+    timer.daemon = True
+    timer.start()
+
+
 def read_small(backing: Backing, path: str, st: os.stat_result) -> bytes | None:
     """Content of a file small enough to analyse, else None."""
     if st.st_size > MAX_ANALYSED_BYTES:

@@ -110,7 +110,8 @@ attempt("planted", lambda: os.readlink("src/checkout/sub"))
 if {fail!r}:
     attempt("states", fail_twice)
     attempt("settled", lambda: settled(lambda: os.path.isdir("src/checkout/sub")
-                                       and not os.path.islink("src/checkout/sub")))
+                                       and not os.path.islink("src/checkout/sub")
+                                       and read("src/checkout/sub/f.py") == "orig\n"))
     attempt("after", lambda: [sorted(os.listdir("src/checkout")), os.path.islink("src/checkout/sub"),
                               read("src/checkout/sub/f.py")])
 sys.exit({status})
