@@ -279,3 +279,20 @@ def breaker_daemon(run_dir: Path, workspace: Path, manifest: str) -> Iterator[Pa
         proc.stdout.close()
         code = proc.wait(timeout=30)
     assert code == 0, f"the breaker daemon exited {code}"
+
+
+def dir_chain(top: Path, depth: int, name: str = "d") -> int:
+    """*depth* directories *name* in a chain below *top*, each made by a relative step (the
+    whole path may be far past PATH_MAX, as an agent can leave one); an fd of the deepest,
+    the caller's to close."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir(name, dir_fd=fd)
+            down = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = down
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

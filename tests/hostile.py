@@ -13,7 +13,7 @@ from typing import Any
 
 from .helpers import FIX_TAX, reports, run_events
 
-__all__ = ["ATTEMPT", "SECRET", "WAIT_MOUNTED", "hostile_run", "hostile_workspace"]
+__all__ = ["ATTEMPT", "SECRET", "SEND", "WAIT_MOUNTED", "hostile_run", "hostile_workspace"]
 
 SECRET = "SECRET=hunter2\n"
 
@@ -26,6 +26,23 @@ def attempt(name, f):
     except OSError as err:
         got = errno.errorcode.get(err.errno, str(err.errno))
     print(json.dumps({name: got}), flush=True)
+'''
+
+#: ``send(msg)``: one message to the guard over the agent socket, as a harness sends it, and the
+#: guard's reply (needs ``json``, ``os`` and ``socket``; no braces: it can go into a str.format template).
+SEND = r'''
+def send(msg):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(os.environ["GUARD_SOCKET"])
+    s.sendall((json.dumps(dict(v=1, **msg)) + "\n").encode())
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = s.recv(1 << 20)
+        if not chunk:
+            break
+        data += chunk
+    s.close()
+    return json.loads(data)
 '''
 
 #: ``wait_mounted(path)``: wait, with a bound, until *path* is a mount point of its own (inside

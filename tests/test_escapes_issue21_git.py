@@ -25,19 +25,12 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import git_env
+from .helpers import FIX_TAX, git_env
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
 
 SECRET = "API_TOKEN=h1st0ry-s3cret\n"
-MANIFEST = """
-[task]
-id = "fix-tax"
-goal = "Fix the tax rounding helper in src/checkout/"
-[paths]
-allowed = ["src/checkout/"]
-forbidden = [".env*"]
-"""
+MANIFEST = FIX_TAX
 
 # Every way the agent tries to read the secret through git: each prints what it got.
 READS = r"""

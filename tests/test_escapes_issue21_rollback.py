@@ -29,7 +29,7 @@ import pytest
 from guardfs.errors import Exit
 
 from .helpers import FIX_TAX, reports, wait_for
-from .hostile import ATTEMPT, hostile_run, hostile_workspace
+from .hostile import ATTEMPT, SEND, hostile_run, hostile_workspace
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
 
@@ -41,19 +41,7 @@ ROLLBACK_ON_FAILURES = (FIX_TAX + "[limits]\nmax_consecutive_failures = 2\n"
 #: ``fail_twice()``: two failed tool calls reported on the agent socket, as a harness would.
 FAIL_TWICE = ATTEMPT + r'''
 import socket
-def send(msg):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(os.environ["GUARD_SOCKET"])
-    s.sendall((json.dumps(dict(v=1, **msg)) + "\n").encode())
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = s.recv(1 << 20)
-        if not chunk:
-            break
-        data += chunk
-    s.close()
-    return json.loads(data)
-def fail_twice():
+''' + SEND + r'''def fail_twice():
     return [send(dict(type="tool_result", tool="Bash", exit_code=1, summary=f"make {i}"))["state"] for i in (1, 2)]
 def read(path):
     with open(path) as f:

@@ -19,7 +19,7 @@ import pytest
 
 from guardfs.harvest import remove_tree
 
-from .helpers import FIX_TAX
+from .helpers import FIX_TAX, dir_chain
 from .hostile import SECRET, hostile_run, hostile_workspace
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
@@ -68,15 +68,7 @@ sys.exit(3)
 
 def _chain(top: Path, depth: int) -> None:
     """*depth* directories in a chain below *top*, made by relative steps."""
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for _ in range(depth):
-            os.mkdir("a", dir_fd=fd)
-            down = os.open("a", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = down
-    finally:
-        os.close(fd)
+    os.close(dir_chain(top, depth, "a"))
 
 
 def _everything(root: Path) -> list[tuple[Path, os.stat_result]]:

@@ -26,6 +26,7 @@ from sandbox.breaker import Breaker, State
 from sandbox.breaker.client import GuardClient, GuardClientError
 
 from .helpers import FIX_TAX, reports, state_of
+from .hostile import SEND
 from .mounts import guarded_mount
 from .test_run import UNPRIVILEGED_PYTHON
 
@@ -37,19 +38,7 @@ import json, os, socket, subprocess, sys
 guard, lib = {guard!r}, {lib!r}
 env = dict(os.environ, PYTHONPATH=lib) if lib else dict(os.environ)
 
-def send(msg):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(os.environ["GUARD_SOCKET"])
-    s.sendall((json.dumps(dict(v=1, **msg)) + "\n").encode())
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = s.recv(1 << 20)
-        if not chunk:
-            break
-        data += chunk
-    s.close()
-    return json.loads(data)
-
+""" + SEND + r"""
 def forge(summary):
     return send(dict(type="tool_result", tool="Bash", exit_code=0, summary=summary))["state"]
 

@@ -19,6 +19,7 @@ from guardfs.links import HARD_LINK_KEY, forbidden_links
 from guardfs.manifest import parse_manifest
 from guardfs.policy import PathPolicy, Scope
 
+from .helpers import dir_chain
 from .mounts import CHECKOUT_MANIFEST, guarded_mount
 
 SECRET = "SECRET=hunter2\n"
@@ -101,13 +102,8 @@ def test_the_walk_reaches_below_path_max(tmp_path: Path) -> None:
     """A tree deeper than PATH_MAX (an agent can leave one in a native generated tree) is walked
     a piece at a time: a hard link of a secret at its bottom is found, and the start never fails."""
     _tree(tmp_path)
-    deep = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    deep = dir_chain(tmp_path, 700, "d123456")  # 700 times "d123456/" = 5,600 bytes
     try:
-        for _ in range(700):  # 700 times "d123456/" = 5,600 bytes
-            os.mkdir("d123456", dir_fd=deep)
-            below = os.open("d123456", os.O_PATH | os.O_DIRECTORY, dir_fd=deep)
-            os.close(deep)
-            deep = below
         os.link(tmp_path / ".env", "bottom", dst_dir_fd=deep)
         assert os.stat("bottom", dir_fd=deep).st_nlink == 5
     finally:

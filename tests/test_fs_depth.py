@@ -11,6 +11,7 @@ import pytest
 
 from guardfs.checkpoint import PreImages, rollback_offline
 
+from .helpers import dir_chain
 from .mounts import Guarded, guarded_mount
 
 pytestmark = pytest.mark.mount
@@ -22,13 +23,8 @@ DEPTH = 1200
 def _deep_tree(top: Path, depth: int) -> None:
     """*depth* nested directories below *top*, made one level at a time through dir fds
     (the full path is longer than a process may name in one call)."""
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    fd = dir_chain(top, depth)
     try:
-        for _ in range(depth):
-            os.mkdir("d", dir_fd=fd)
-            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = child
         with open(os.open("leaf.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "w") as f:
             f.write("deep\n")
     finally:

@@ -13,6 +13,8 @@ import pytest
 
 from guardfs.harvest import harvest, remove_tree, strip_set_id
 
+from .helpers import dir_chain
+
 SECRET = b"SECRET=hunter2\n"
 
 
@@ -97,13 +99,8 @@ def test_entries_past_the_bound_are_said_not_read(tmp_path: Path) -> None:
 
 def _deep(top: Path, depth: int) -> None:
     """A chain of *depth* directories below *top*, made by relative steps (its path is past PATH_MAX)."""
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    fd = dir_chain(top, depth, "a")
     try:
-        for _ in range(depth):
-            os.mkdir("a", dir_fd=fd)
-            down = os.open("a", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = down
         os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o6755, dir_fd=fd))
         os.chmod("f", 0o6755, dir_fd=fd)  # noqa: S103 - the program an agent leaves
     finally:
