@@ -298,7 +298,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from guardfs.lint import lint
     from guardfs.manifest import is_outside_secret, load_manifest
     from guardfs.policy import PathPolicy
-    from sandbox.launch.runs import user_runs
+    from sandbox.launch.runs import git_history_cache
     from sandbox.launch.workspace import workspace_for
 
     workspace = workspace_for(Path.cwd(), args.workspace)
@@ -310,7 +310,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
                          'Write one with guard init --allow DIR... "the task\'s goal", or name one: guard check '
                          "MANIFEST")
     manifest = load_manifest(path)
-    warnings = lint(manifest, workspace, git_cache=user_runs().parent / "git-history")  # guard run's own cache
+    warnings = lint(manifest, workspace, git_cache=git_history_cache())  # guard run's own
     for warning in warnings:
         print(f"warning: {warning}")
     p = manifest.paths
@@ -342,6 +342,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         raise UsageError(f"--cache-timeout must be >= 0 seconds, not {args.cache_timeout:g}")
     try:
         from guardfs.mount import check_directory, check_fuse_available, check_mountpoint, serve  # needs libfuse
+        from sandbox.launch.runs import git_history_cache
         from sandbox.session import Session
     except ImportError as err:
         raise MountError(f"libfuse 3 is not usable ({err}); install fuse3 and libfuse3-3") from err
@@ -370,7 +371,8 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         try:
             if run_dir is None:
                 with Session(manifest, args.backing, events, cache_timeout=args.cache_timeout,
-                             xattrs=args.xattrs) as session:
+                             xattrs=args.xattrs, git_cache=git_history_cache()) as session:
+                    _say_notices(session.notices)
                     serve(session.fs, args.mountpoint, on_ready=on_ready)
                 return Exit.OK
             return _mount_with_daemon(args, manifest, events, run_dir, on_ready)
@@ -382,6 +384,13 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         raise
 
 
+def _say_notices(notices: list[str]) -> None:
+    """What the session found at start (git's stores checked, git hidden, secrets readable
+    through git under "warn"), on stderr as guard run says it."""
+    for notice in notices:
+        print(f"guard mount: {notice}", file=sys.stderr)
+
+
 def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: EventLog, run_dir: Path,
                        on_ready: Callable[[], None]) -> int:
     import pyfuse3
@@ -389,10 +398,13 @@ def _mount_with_daemon(args: argparse.Namespace, manifest: Manifest, events: Eve
     from guardfs.mount import serve
     from sandbox.breaker import State
     from sandbox.breaker.daemon import RunDirBusy
+    from sandbox.launch.runs import git_history_cache
     from sandbox.session import Session
 
     session = Session(manifest, args.backing, events, run_dir=run_dir, mountpoint=args.mountpoint,
-                      cache_timeout=args.cache_timeout, xattrs=args.xattrs, on_stop=pyfuse3.terminate)
+                      cache_timeout=args.cache_timeout, xattrs=args.xattrs, on_stop=pyfuse3.terminate,
+                      git_cache=git_history_cache())
+    _say_notices(session.notices)
     try:
         session.prepare()
     except RunDirBusy as err:

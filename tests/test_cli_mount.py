@@ -18,18 +18,19 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import wait_for
+from .helpers import git_env, wait_for
 
 
 @contextmanager
-def guard_mount(tmp_path: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[str], Path, Path]]:
-    """Start ``guard mount`` on tmp_path/backing; always leave no process and no mount."""
+def guard_mount(tmp_path: Path, *extra: str, env: dict[str, str] | None = None
+                ) -> Iterator[tuple[subprocess.Popen[str], Path, Path]]:
+    """Start ``guard mount`` on tmp_path/backing (in *env*); always leave no process and no mount."""
     backing, mnt = tmp_path / "backing", tmp_path / "mnt"
     backing.mkdir(exist_ok=True)
     mnt.mkdir(exist_ok=True)
     proc = subprocess.Popen(
         [sys.executable, "-m", "sandbox", "mount", *extra, str(backing), str(mnt)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     try:
         wait_for(lambda: os.path.ismount(mnt) or proc.poll() is not None, "guard mount to mount")
@@ -335,3 +336,29 @@ def test_a_refused_mount_leaves_no_run_directory(tmp_path: Path) -> None:
     assert proc.returncode == 65, proc.stderr
     assert "git holds secret path(s) .env" in proc.stderr, proc.stderr
     assert not run_dir.exists() and not listed(mnt)
+
+
+@pytest.mark.mount
+def test_guard_mount_says_what_git_holds_and_shares_the_runs_cache(tmp_path: Path) -> None:
+    """guard mount checks git's stores as guard run does, says so (under "warn": that the secret
+    is readable through git), and keeps the check in the same cache: the second mount pays nothing."""
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    env = {**git_env(backing), "XDG_STATE_HOME": str(tmp_path / "state")}
+    (backing / ".env").write_text("SECRET=1\n")
+    for args in (["init", "-q"], ["add", ".env"], ["commit", "-qm", "oops"], ["rm", "-q", "--cached", ".env"],
+                 ["commit", "-qm", "untracked since"]):
+        subprocess.run(["git", *args], cwd=backing, check=True, env=env)
+    manifest = tmp_path / "m.toml"
+    manifest.write_text('[task]\nid = "t"\ngoal = "g"\n[paths]\nallowed = ["src/"]\nsecret = [".env*"]\n'
+                        'forbidden_in_git = "warn"\n')
+    said = []
+    for _ in range(2):
+        with guard_mount(tmp_path, "--manifest", str(manifest), env=env) as (proc, _backing, mnt):
+            assert os.path.ismount(mnt), proc.stderr.read() if proc.stderr else ""
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=30)
+        said.append(err)
+    assert "guard mount: WARNING: git holds secret path(s) .env" in said[0], said[0]
+    assert "git history checked for secrets: 1 repository" in said[0] and "from the cache" not in said[0], said[0]
+    assert f"(1 from the cache of {tmp_path / 'state/guardfs/git-history'})" in said[1], said[1]

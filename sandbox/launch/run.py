@@ -69,6 +69,7 @@ from sandbox.launch.quarantine import Recorder, console, digest
 from sandbox.launch.runs import (
     SYSTEM_RUNS,
     claim_run_dir,
+    git_history_cache,
     live_run_dirs,
     registered,
     remove_stale_stages,
@@ -188,7 +189,7 @@ def _run(opts: RunOptions, bwrap: str | None, started: list[bool],
                       # the agent's own files in the workspace (the agents' table)
                       agent_files=AGENTS[opts.agent].own_files if opts.agent in AGENTS else (),
                       agent_caches=AGENTS[opts.agent].own_caches if opts.agent in AGENTS else (),
-                      git_cache=user_runs().parent / "git-history")
+                      git_cache=git_history_cache())
     lane_stage = LaneStage(stage)
     # Planned with the mount's own policy ("hide-git" included: a lane never shows what the mount hides).
     lane_args = _fast_lanes(opts, bwrap, lane_stage, events, session)

@@ -49,6 +49,13 @@ def user_runs() -> Path:
     return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local/state") / "guardfs/runs"
 
 
+def git_history_cache() -> Path:
+    """Where the start's check of git's stores for secrets keeps what it found
+    (guardfs.githistory), beside the user's runs: ``guard run``, ``guard mount`` and ``guard
+    check`` share it, and every sandbox hides it (the homes are covered)."""
+    return user_runs().parent / "git-history"
+
+
 def default_runs_bases() -> list[Path]:
     """Every place ``guard run`` makes run directories by default (``guard status`` looks there)."""
     return [user_runs(), SYSTEM_RUNS]
