@@ -263,3 +263,16 @@ def test_every_relative_link_resolves(document: Path) -> None:
         elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
             broken.append(f"{link}: no heading #{anchor} in {path.name}")
     assert broken == [], f"{document.name}: broken links: {broken}"
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_file_and_test_cited_exists(document: Path) -> None:
+    text = document.read_text(encoding="utf-8")
+    missing = []
+    cited = r"\b((?:tests|guardfs|sandbox|bench|containers)/[\w/.-]*\.(?:py|c|sh))(?:::(\w+))?"
+    for path, name in re.findall(cited, text):
+        if not (ROOT / path).is_file():
+            missing.append(path)
+        elif name and not re.search(rf"\bdef {name}\b", (ROOT / path).read_text(encoding="utf-8")):
+            missing.append(f"{path}::{name}")
+    assert missing == [], f"{document.name} cites what does not exist: {missing}"
