@@ -203,6 +203,17 @@ def test_every_event_kind_is_in_the_reference(reference: str) -> None:
     assert missing == [], f"docs/reference.md's events table lacks: {missing}"
 
 
+def test_every_manifest_key_that_names_a_refusal_is_in_the_reference(reference: str) -> None:
+    keys: set[str] = set()
+    for package in ("guardfs", "sandbox"):
+        for path in (ROOT / package).rglob("*.py"):
+            keys.update(re.findall(r'"((?:paths|limits|sandbox|breaker)\.[a-z_]+)"', path.read_text(encoding="utf-8")))
+    assert {"paths.secret", "limits.max_files"} <= keys  # the scan finds them
+    table = _section(reference, "## Breaker rules and states")
+    missing = sorted(k for k in keys if f"`{k}`" not in table)
+    assert missing == [], f"docs/reference.md does not name these rules of events: {missing}"
+
+
 def test_the_default_generated_list_is_in_the_reference(reference: str) -> None:
     from guardfs.manifest import DEFAULT_GENERATED, DEFAULT_HOME_SECRETS
 
