@@ -98,7 +98,7 @@ def _fuse_errors(fn: _Handler[P, R]) -> _Handler[P, R]:
     return wrapper
 
 
-#: The set-ID bits: never given to a non-directory through the mount (README, SECURITY.md).
+#: The set-ID bits: never given to a non-directory through the mount (docs/how-it-works.md, SECURITY.md).
 _SET_ID = stat.S_ISUID | stat.S_ISGID
 
 

@@ -125,7 +125,7 @@ ProtectedPattern = Annotated[str, AfterValidator(_check_pattern), AfterValidator
 GeneratedPattern = Annotated[str, AfterValidator(_check_pattern), AfterValidator(_check_generated_not_broad)]
 
 #: The caches and build outputs of common tooling, the default of ``[paths] generated``
-#: (the README lists them by ecosystem). Go keeps its build and module caches outside the
+#: (docs/reference.md lists them by ecosystem). Go keeps its build and module caches outside the
 #: workspace (GOCACHE, GOMODCACHE under $HOME), so it adds nothing here.
 DEFAULT_GENERATED: tuple[str, ...] = (
     # Python: bytecode, tool caches, test and coverage output, environments, packaging output
@@ -145,8 +145,8 @@ DEFAULT_GENERATED: tuple[str, ...] = (
 DEFAULT_MANIFEST = "guard.toml"
 
 #: The usual credential stores under the agent's home, relative to it: masked in every sandbox,
-#: whether or not ``guard run --user`` is given and whatever the manifest says (the README lists
-#: them). ``[paths] secret`` entries starting with ``~/`` or ``/`` add to them.
+#: whether or not ``guard run --user`` is given and whatever the manifest says (docs/reference.md
+#: lists them). ``[paths] secret`` entries starting with ``~/`` or ``/`` add to them.
 DEFAULT_HOME_SECRETS: tuple[str, ...] = (
     ".ssh", ".gnupg", ".password-store", ".aws", ".azure", ".config/gcloud", ".kube", ".docker/config.json",
     ".netrc", ".git-credentials", ".config/gh/hosts.yml", ".npmrc", ".yarnrc.yml", ".pypirc",
@@ -216,7 +216,7 @@ class Paths(_Strict):
             "Paths that can be neither read nor written (keys, .env files, credentials); wins over "
             "every other key. An entry starting with '~/' or '/' is a literal path outside the "
             "workspace ('~' is the agent's home), hidden in the sandbox in addition to the usual "
-            "credential stores (see the README); any other entry is a workspace pattern. Git may "
+            "credential stores (docs/reference.md lists them); any other entry is a workspace pattern. Git may "
             "not track a secret (see forbidden_in_git). Over-broad patterns such as '*' or '**' are "
             "refused."
         ),
@@ -244,12 +244,14 @@ class Paths(_Strict):
             "Caches and build output that tools write (bytecode, test and type-checker caches, "
             "installed packages, build directories). Writes there never count toward max_files or "
             "max_rewrites, are not kept for rollback, and never trip the breaker. Inside 'allowed' "
-            "they land in the workspace (a literal directory that exists when guard run starts, "
+            "they land in the workspace (but Python bytecode, which goes to the scratch layer in scope "
+            "too; a literal directory that exists when guard run starts, "
             "such as '.venv/', is bound natively: see [sandbox] native_generated); outside it they "
             "land in the run's scratch layer, which the agent sees and the workspace never does "
-            "(without a run directory they are refused quietly: an event, no trip). 'secret', "
-            "'protected' and the built-in protections win over it. Setting it replaces the default list (see the "
-            "README); [] turns it off."
+            "(without a run directory, as under guard mount without --run-dir, they are refused "
+            "with EROFS: a denial, never a trip). 'secret', "
+            "'protected' and the built-in protections win over it. Setting it replaces the default list "
+            "(docs/reference.md lists it); [] turns it off."
         ),
     )
     generated_from_gitignore: bool = Field(

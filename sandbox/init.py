@@ -394,7 +394,7 @@ def render(goal: str, ident: str, allowed: Sequence[str], plan: _Plan) -> str:
     lines += [
         "",
         "# [limits] (max_files = 20, max_rewrites = 3, ...), [breaker], [sandbox] and [record] keep",
-        "# their defaults: guard check --help lists every key.",
+        "# their defaults: guard schema lists every key.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -1,4 +1,4 @@
-"""``guard demo``, the README's first command, plays its drifting agent to the end."""
+"""``guard demo``, the README's first look at every refusal, plays its drifting agent to the end."""
 
 from __future__ import annotations
 

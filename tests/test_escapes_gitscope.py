@@ -11,7 +11,7 @@ Item 3: a forbidden path git tracks is readable through its object store. By
 ``paths.forbidden_in_git``: "refuse" (the default) does not start the run and names the
 path; "hide-git" runs with .git/ forbidden, so ``git show HEAD:.env`` prints nothing of it;
 "warn" runs, says so at start naming the path, and ``git show`` prints it (as the README
-says).
+and docs/reference.md say).
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def test_warn_runs_and_says_the_tracked_secret_is_readable_through_git(tmp_path:
     moves = _moves(run_dir)
     banner = [line for line in proc.stderr.splitlines() if "WARNING: git holds secret path(s)" in line]
     assert banner and ".env" in banner[0] and "readable through git" in banner[0], proc.stderr
-    # What the README says "warn" means: the contents are readable through git.
+    # What the README and docs/reference.md say "warn" means: the contents are readable through git.
     assert moves["show"] == 0 and moves["cat_file"] == 0, moves
     assert (run_dir / "stdout.log").read_text().count(SECRET.strip()) == 2
 

@@ -4,8 +4,9 @@ The repository is a real third-party one: django-taggit's sdist from PyPI (cache
 ``.cache/``), ``git init`` and a commit, with a CI workflow and the app's migrations tracked, a
 ``.venv`` with Django and what taggit's tests need, an untracked ``.env``; it lives in the user's
 home (a fresh directory under /home, with an SSH key in ``~/.ssh``). The user writes no
-manifest: ``guard init --allow taggit/ --allow tests/ GOAL`` does, at the repository's top level.
-Then ``guard run`` is started from a subdirectory (``docs/``), with the agent where users install
+manifest: the README's quick start does, read out of the README (``tests/readme.py``) so that it cannot
+drift: its ``guard init`` line at the repository's top level, then its ``guard run`` line (headless, so
+with ``--ci``) from a subdirectory (``docs/``), the agent in place of the README's, where users install
 agents: a script in ``~/.local/bin``, a node launcher under an npm prefix in ``$HOME``, the real
 Claude Code CLI under npm's user prefix (scripted model on loopback).
 
@@ -40,12 +41,15 @@ import pytest
 from .helpers import TAGGIT_TEST_REQUIREMENTS, git_env, npm_tarballs, reports, run_events, taggit_sources, wait_for
 from .hostile import ATTEMPT, SECRET
 from .model_server import Turn, scripted_model
+from .readme import agent_block, quick_start
 from .test_claude_code import CLAUDE_VERSION
 
 # Each test runs guard run for real (root, as CI; a FUSE mount), with a real test suite inside: minutes.
 pytestmark = [pytest.mark.root, pytest.mark.mount, pytest.mark.slow]
 
-GOAL = "Add tag_count() to taggit.utils, with a test"
+#: The README's quick start: the clone's directory, ``guard init``'s and ``guard run``'s argv.
+QUICK_START = quick_start()
+GOAL = QUICK_START.init[-1]
 #: The guard, as a user runs it: the console script installed with guardfs.
 GUARD = str(Path(sys.executable).parent / "guard")
 #: The key the test puts in the user's home: it must appear nowhere the agent's output goes.
@@ -128,7 +132,7 @@ def taggit(home: Path) -> Repository:
     migrations tracked, a ``.venv`` with its test requirements, an untracked ``.env``; and an
     SSH key in the home."""
     sdist, wheelhouse = taggit_sources()
-    top = home / "src/django-taggit"
+    top = home / "src" / QUICK_START.clone_dir
     top.parent.mkdir(parents=True)
     with tarfile.open(sdist) as archive:
         archive.extractall(top.parent, filter="data")
@@ -160,8 +164,8 @@ def user_env(home: Path, *path: Path, **extra: str) -> dict[str, str]:
 
 
 def guard_init(repo: Repository) -> subprocess.CompletedProcess[str]:
-    """``guard init --allow taggit/ --allow tests/ GOAL`` at the top level, as the README says."""
-    proc = subprocess.run([GUARD, "init", "--allow", "taggit/", "--allow", "tests/", GOAL], cwd=repo.top,
+    """The README's ``guard init`` line (``--allow taggit/ --allow tests/ GOAL``) at the top level."""
+    proc = subprocess.run([GUARD, *QUICK_START.init[1:]], cwd=repo.top,
                           env=user_env(repo.home), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (repo.top / "guard.toml").is_file(), proc.stdout + proc.stderr
@@ -242,10 +246,12 @@ class Pacer:
 
 def guard_run(repo: Repository, path: list[Path], argv: list[str], env: dict[str, str] | None = None,
               ) -> tuple[int, Console, Pacer]:
-    """``guard run --ci -- ARGV`` from ``docs/``, the agent found on the user's *path*."""
+    """The README's ``guard run`` line from ``docs/``, headless (``--ci``), with ARGV for its agent,
+    found on the user's *path*."""
     holder: list[Console] = []
     pacer = Pacer(holder)
-    proc = subprocess.Popen([GUARD, "run", "--ci", "--", *argv], cwd=repo.top / "docs", text=True,
+    options = QUICK_START.run[1:QUICK_START.run.index("--")]
+    proc = subprocess.Popen([GUARD, *options, "--ci", "--", *argv], cwd=repo.top / "docs", text=True,
                             env=env or user_env(repo.home, *path, FIRST_HOUR_PORT=str(pacer.port)),
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     holder.append(Console(proc))
@@ -399,9 +405,11 @@ def test_first_hour_with_claude_code_installed_under_npms_user_prefix(taggit: Re
         env = user_env(repo.home, repo.home / ".npm-global/bin", ANTHROPIC_BASE_URL=url,
                        ANTHROPIC_API_KEY="sk-test-fake", IS_SANDBOX="1", DISABLE_TELEMETRY="1",
                        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_AUTOUPDATER="1")
+        # The README's headless line for Claude Code, with the quick start's goal as its prompt.
+        argv = agent_block("claude")
+        argv[argv.index("-p") + 1] = GOAL
         proc = subprocess.run(
-            [GUARD, "run", "--agent", "claude", "--", "claude", "-p", GOAL, "--output-format", "stream-json",
-             "--verbose", "--dangerously-skip-permissions"],
+            [GUARD, *argv[1:]],
             cwd=repo.top / "docs", env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     why = proc.stdout[-4000:] + proc.stderr[-4000:] + "\n--- tool errors\n" + "\n".join(model.tool_errors())
     assert proc.returncode == 0, why

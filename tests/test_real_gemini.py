@@ -1,7 +1,7 @@
 """The real Gemini CLI inside ``guard run --agent gemini --ci``, driven by a scripted Gemini API
 (tests/gemini_server.py) on loopback, in a git repository that tracks files its manifest forbids.
 
-What guard passes to Gemini (README, "Agents"): a system settings file of its own with the
+What guard passes to Gemini (docs/how-it-works.md, "Real agents"): a system settings file of its own with the
 BeforeTool/AfterTool hooks (``GEMINI_CLI_SYSTEM_SETTINGS_PATH``, mode 0644: Gemini skips one that
 group or others may write) and ``--skip-trust`` (headless Gemini exits 55 in an untrusted folder).
 The user's ``~/.gemini`` is left as it was. Each run costs a few seconds; the CLI is installed
