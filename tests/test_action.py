@@ -28,6 +28,9 @@ from .helpers import CLI_CACHE, FIX_TAX, FORBIDDEN_TERMINAL
 
 ROOT = Path(__file__).resolve().parent.parent
 ACTION = ROOT / "action.yml"
+#: Where the install step keeps its virtualenv under the runner's tool cache.
+TOOL_CACHE = CLI_CACHE / "action-tool-cache"
+VENV = TOOL_CACHE / "guardfs-venv"
 
 # Reports steps with tokens, writes in scope, then out of scope twice in a row: the second
 # violation stops the run (exit 75), as in tests/test_report.py.
@@ -238,7 +241,7 @@ def _runner_env(tmp: Path, workspace: Path, action_path: Path, **extra: str) -> 
         "GITHUB_RUN_ATTEMPT": "1", "GITHUB_WORKSPACE": str(workspace), "GITHUB_ACTION_PATH": str(action_path),
         "GITHUB_STEP_SUMMARY": str(tmp / "summary.md"), "RUNNER_TEMP": str(runner),
         # A self-hosted runner's tool cache, kept between test runs: the venv is made once.
-        "RUNNER_TOOL_CACHE": str(CLI_CACHE / "action-tool-cache"),
+        "RUNNER_TOOL_CACHE": str(TOOL_CACHE),
         "PIP_CACHE_DIR": str(CLI_CACHE / "pip"), "PIP_DISABLE_PIP_VERSION_CHECK": "1",
         **extra,
     }
@@ -274,7 +277,7 @@ def guarded(action_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Guar
     agent.write_text(textwrap.dedent(AGENT))
     secret = tmp / "runner-credentials"
     secret.write_text("ghs_runner_token_not_for_upload\n")
-    env = _runner_env(tmp, ws, action_path, AGENT_SCRIPT=str(agent))
+    env = _runner_env(tmp, ws, action_path, AGENT_SCRIPT=str(agent), AGENT_PYTHON=str(VENV / "bin/python"))
     run_dir: list[Path] = []
 
     def plant_links(outputs: dict[str, str]) -> None:
@@ -286,19 +289,22 @@ def guarded(action_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Guar
         (found / "credentials").symlink_to(secret)
         (found / "up").symlink_to("..")
 
-    result = _run_locked({"command": 'python3 "$AGENT_SCRIPT" "fixed the rounding"',
+    # The agent's Python is the one guardfs is installed in, for its client library (GuardClient).
+    result = _run_locked({"command": '"$AGENT_PYTHON" "$AGENT_SCRIPT" "fixed the rounding"',
                           "working-directory": "src/checkout", "retention-days": "3"},
                          env, ws, action_path, between={"run": plant_links})
     return Guarded(result, env, ws, secret, run_dir[0])
 
 
+@pytest.mark.slow  # the first install builds a virtualenv (pyfuse3 compiled); later ones reuse it
 @pytest.mark.root
 @pytest.mark.mount
 def test_the_action_guards_the_agent_and_uploads_the_run_directory_as_a_tarball(guarded: Guarded) -> None:
     result, env, ws, secret = guarded.result, guarded.env, guarded.workspace, guarded.secret
     install, run, archive, upload = result.steps
     assert install.status == 0 and not install.skipped, install.stdout + install.stderr
-    assert result.path == [str(CLI_CACHE / "action-tool-cache/guardfs-venv/bin")]
+    assert result.outputs["guard"] == str(VENV / "bin/guard")
+    assert result.path == []  # guard is an output: nothing is put on the job's PATH
     # The guarded run: stopped by the breaker, annotations on the log, the job summary appended.
     assert run.status == 75, run.stdout + run.stderr
     assert result.failed
@@ -333,6 +339,7 @@ def test_the_action_guards_the_agent_and_uploads_the_run_directory_as_a_tarball(
     assert b"root:" not in raw  # /etc/shadow's first line
 
 
+@pytest.mark.slow  # the first install builds a virtualenv (pyfuse3 compiled); later ones reuse it
 @pytest.mark.root
 @pytest.mark.mount
 def test_a_second_run_installs_nothing_and_a_compound_command_is_refused(
