@@ -342,19 +342,33 @@ def test_the_action_guards_the_agent_and_uploads_the_run_directory_as_a_tarball(
 @pytest.mark.slow  # the first install builds a virtualenv (pyfuse3 compiled); later ones reuse it
 @pytest.mark.root
 @pytest.mark.mount
-def test_a_second_run_installs_nothing_and_a_compound_command_is_refused(
+def test_a_second_run_installs_nothing_and_a_command_that_would_run_code_outside_is_refused(
         action_path: Path, guarded: Guarded, tmp_path: Path) -> None:
     ws = _sample_repository(tmp_path)
-    env = _runner_env(tmp_path, ws, action_path)
+    env = _runner_env(tmp_path, ws, action_path, TASK="a[$(touch $WITNESS)]")
     witness = tmp_path / "ran-outside-the-guard"
-    # Not uploaded: the archive and the upload are skipped. A pipe would run its right side outside the guard.
-    result = _run_locked({"command": f"true | touch {witness}", "upload": "false"}, env, ws, action_path)
-    install, run, archive, upload = result.steps
-    assert install.status == 0, install.stdout + install.stderr
-    # The tool cache's venv is this checkout's: the run of *guarded* (or an earlier session) made it.
-    assert "already installed from" in install.stdout and "installing" not in install.stdout, install.stdout
-    assert run.status == 64
-    assert "::error title=guardfs::the command input must be one command line" in run.stdout
+    env["WITNESS"] = str(witness)
+    # Each would run code outside the guard: the right side of a pipe, a command substitution,
+    # the arithmetic of ${NAME:offset} evaluating the task's text (a[$(...)] runs the command).
+    refused = {"true | touch $WITNESS": "must be one command line",
+               "echo $(touch $WITNESS)": "may expand only $NAME and ${NAME}",
+               "echo ${HOME:TASK}": "may expand only $NAME and ${NAME}"}
+    for command, words in refused.items():
+        # Not uploaded: the archive and the upload are skipped.
+        result = _run_locked({"command": command, "upload": "false"}, env, ws, action_path)
+        install, run, archive, upload = result.steps
+        assert install.status == 0, install.stdout + install.stderr
+        # The tool cache's venv is this checkout's: the run of *guarded* (or an earlier session) made it.
+        assert "already installed from" in install.stdout and "installing" not in install.stdout, install.stdout
+        assert run.status == 64, command
+        assert f"::error title=guardfs::the command input {words}" in run.stdout, run.stdout + run.stderr
+        assert not witness.exists(), command
+        assert archive.skipped and upload.skipped
+        assert result.outputs["exit-status"] == "64" and result.outputs["tripped-rule"] == ""
+    # The check itself: the same task, named as a variable, is passed as the agent's own text.
+    task_echo = 'printf "%s\\n" "$TASK"'
+    result = _run_locked({"command": f"bash -c '{task_echo}'", "upload": "false", "run-dir": str(tmp_path / "run")},
+                         env, ws, action_path)
+    assert result.step("Run the agent under guard").status == 0, result.steps
+    assert (tmp_path / "run/stdout.log").read_text() == "a[$(touch $WITNESS)]\n"
     assert not witness.exists()
-    assert archive.skipped and upload.skipped
-    assert result.outputs["exit-status"] == "64" and result.outputs["tripped-rule"] == ""
