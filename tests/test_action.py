@@ -12,6 +12,7 @@ runner reads them. Only a step that ``uses:`` a remote action (the upload) is no
 from __future__ import annotations
 
 import fcntl
+import os
 import re
 import shutil
 import subprocess
@@ -213,7 +214,7 @@ def action_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """This checkout as the runner fetches an action: its files, no .git, no venv, no build output."""
     copy = tmp_path_factory.mktemp("action") / "guardfs"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(
-        ".git", ".venv", ".cache", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", "*.so", "_build"))
+        ".git", ".venv", ".cache", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", "*.so", "_build", "runs"))
     return copy
 
 
@@ -288,6 +289,7 @@ def guarded(action_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Guar
         (found / "shadow").symlink_to("/etc/shadow")
         (found / "credentials").symlink_to(secret)
         (found / "up").symlink_to("..")
+        os.mkfifo(found / "pipe")  # read, it would hang the archive
 
     # The agent's Python is the one guardfs is installed in, for its client library (GuardClient).
     result = _run_locked({"command": '"$AGENT_PYTHON" "$AGENT_SCRIPT" "fixed the rounding"',
@@ -332,6 +334,7 @@ def test_the_action_guards_the_agent_and_uploads_the_run_directory_as_a_tarball(
         assert {"ledger.json", "events.jsonl", "stdout.log", "stderr.log", "STATE.md"} <= set(members)
         for name, target in (("shadow", "/etc/shadow"), ("credentials", str(secret)), ("up", "..")):
             assert members[name].issym() and members[name].linkname == target, name
+        assert members["pipe"].isfifo()
         events = tar.extractfile(members["events.jsonl"])
         assert events is not None and b"scope_spill" in events.read()
     raw = subprocess.run(["gzip", "-dc", str(tarball)], capture_output=True, check=True).stdout
