@@ -44,6 +44,15 @@ def spill(name):
             f.write("spill\\n")
     except OSError:
         pass
+# The runner's files are the step's: a line in GITHUB_ENV or GITHUB_PATH would run code in
+# every later step, outside the guard. The sandbox's read-only host refuses them.
+for name in ("GITHUB_ENV", "GITHUB_PATH", "GITHUB_OUTPUT", "GITHUB_STEP_SUMMARY"):
+    try:
+        with open(os.environ[name], "a") as f:
+            f.write("forged=by the agent\\n")
+        print(name, "WRITTEN", flush=True)
+    except OSError as err:
+        print(name, "refused", err.errno, flush=True)
 with GuardClient(os.environ["GUARD_SOCKET"]) as guard:
     guard.request({"type": "step", "tokens_in": 1000, "tokens_out": 100})
     with open("tax.py", "a") as f:  # the agent starts in working-directory: src/checkout
@@ -145,7 +154,8 @@ class ActionRun:
     steps: list[Ran]
     outputs: dict[str, str]
     failed: bool
-    path: list[str]
+    path: list[str]  #: what the steps added to PATH through GITHUB_PATH
+    env: dict[str, str]  #: the job's environment after the steps (GITHUB_ENV's lines applied)
 
     def step(self, name: str) -> Ran:
         (found,) = [s for s in self.steps if s.name == name]
@@ -206,7 +216,7 @@ def run_action(inputs: dict[str, str], env: dict[str, str], workspace: Path, act
         if between and step.get("id") in between:
             between[step["id"]](contexts["steps"][step["id"]]["outputs"])
     outputs = {name: _substitute(str(spec["value"]), contexts) for name, spec in action["outputs"].items()}
-    return ActionRun(ran, outputs, failed, path)
+    return ActionRun(ran, outputs, failed, path, job_env)
 
 
 @pytest.fixture(scope="module")
@@ -307,12 +317,17 @@ def test_the_action_guards_the_agent_and_uploads_the_run_directory_as_a_tarball(
     assert install.status == 0 and not install.skipped, install.stdout + install.stderr
     assert result.outputs["guard"] == str(VENV / "bin/guard")
     assert result.path == []  # guard is an output: nothing is put on the job's PATH
+    stdout = (guarded.run_dir / "stdout.log").read_text()
+    for name in ("GITHUB_ENV", "GITHUB_PATH", "GITHUB_OUTPUT", "GITHUB_STEP_SUMMARY"):
+        assert f"{name} refused 30" in stdout, stdout  # EROFS
     # The guarded run: stopped by the breaker, annotations on the log, the job summary appended.
     assert run.status == 75, run.stdout + run.stderr
     assert result.failed
     assert run.stdout.count("::error file=") >= 2
     assert re.search(r"^::error file=README\.md,line=1,title=guard%3A scope_spill trip::", run.stdout, re.M), run.stdout
     summary = Path(env["GITHUB_STEP_SUMMARY"]).read_text()
+    assert "forged" not in summary and not any(v.startswith("by the agent") for v in result.outputs.values())
+    assert result.path == [] and "forged" not in result.env
     assert summary.startswith("# an earlier step's summary\n### guard: fix-tax\n")
     assert "| exit status | 75 |" in summary and "uploaded as artifact `guard-run-agent-0-1`" in summary
     assert (ws / "src/checkout/tax.py").read_text().endswith("# fixed the rounding\n# and tested\n")
