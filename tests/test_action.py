@@ -383,6 +383,9 @@ def test_a_second_run_installs_nothing_and_a_command_that_would_run_code_outside
         assert not witness.exists(), command
         assert archive.skipped and upload.skipped
         assert result.outputs["exit-status"] == "64" and result.outputs["tripped-rule"] == ""
+    result = _run_locked({"command": "true", "upload": "yes"}, env, ws, action_path)
+    assert result.step("Run the agent under guard").status == 64
+    assert "::error title=guardfs::the upload input is true or false" in result.step("Run the agent under guard").stdout
     # The check itself: the same task, named as a variable, is passed as the agent's own text.
     task_echo = 'printf "%s\\n" "$TASK"'
     result = _run_locked({"command": f"bash -c '{task_echo}'", "upload": "false", "run-dir": str(tmp_path / "run")},
