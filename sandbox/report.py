@@ -346,10 +346,34 @@ def github_step_summary(record: RunRecord, exit_status: int, artifact: str | Non
     return "\n".join(lines) + "\n"
 
 
+def github_outputs(record: RunRecord, exit_status: int) -> dict[str, str]:
+    """The step outputs of the run (what the action in action.yml exposes): the exit status,
+    the run directory, the breaker's state and the rule of the last trip ('' when none)."""
+    return {
+        "exit-status": str(exit_status),
+        "run-dir": str(record.run_dir),
+        "breaker": _text(record.ledger.get("state")),
+        "tripped-rule": _text(record.trips[-1].get("rule")) if record.trips else "",
+    }
+
+
+def _output_lines(outputs: dict[str, str]) -> str:
+    """*outputs* in ``$GITHUB_OUTPUT``'s multiline form, whose delimiter no value holds (a run
+    directory's name is anybody's bytes)."""
+    text = ""
+    for name, value in outputs.items():
+        delimiter = "guard_EOF"
+        while delimiter in value:
+            delimiter += "_"
+        text += f"{name}<<{delimiter}\n{value}\n{delimiter}\n"
+    return text
+
+
 def write_github(record: RunRecord, exit_status: int, out: Any, environ: dict[str, str] | None = None) -> None:
-    """Under GitHub Actions: print the annotations to *out* and append the job summary to
-    ``$GITHUB_STEP_SUMMARY`` (when set). ``GUARD_ARTIFACT`` names the artifact the workflow
-    uploads the run directory as, for the summary to say so."""
+    """Under GitHub Actions: print the annotations to *out*, append the job summary to
+    ``$GITHUB_STEP_SUMMARY`` and the step outputs (:func:`github_outputs`) to ``$GITHUB_OUTPUT``
+    (each when set). ``GUARD_ARTIFACT`` names the artifact the workflow uploads the run
+    directory as, for the summary to say so."""
     env = os.environ if environ is None else environ
     if env.get("GITHUB_ACTIONS") != "true":
         return
@@ -359,3 +383,7 @@ def write_github(record: RunRecord, exit_status: int, out: Any, environ: dict[st
     if summary:
         with open(summary, "a", encoding="utf-8") as f:
             f.write(github_step_summary(record, exit_status, env.get("GUARD_ARTIFACT")))
+    output = env.get("GITHUB_OUTPUT")
+    if output:
+        with open(output, "a", encoding="utf-8") as f:
+            f.write(_output_lines(github_outputs(record, exit_status)))
