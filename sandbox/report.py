@@ -241,7 +241,7 @@ def stopped_by(record: RunRecord) -> str:
     if isinstance(stop, dict):
         kind = _text(stop.get("kind"))
         words = {"agent": "the agent exited by itself", "breaker": "the breaker",
-                 "timeout": "the breaker's idle timeout", "operator": "a human (guard stop)",
+                 "timeout": "the breaker's idle timeout", "operator": "a human",
                  "signal": "a signal to the guard", "guard-failure": "the guard's own failure"}.get(kind, kind)
         detail = _text(stop.get("detail"))
         return f"{words}: {detail}" if detail and kind != "agent" else detail or words
