@@ -28,6 +28,7 @@ import shlex
 import stat
 import time
 import urllib.parse
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -250,6 +251,10 @@ def stopped_by(record: RunRecord) -> str:
     return "not recorded (no run.json: a run of an older guard, or one killed before it ended)"
 
 
+#: Characters of the command the header shows before folding the rest (an agent's prompt can be long).
+_COMMAND_SHOWN = 240
+
+
 def _header(record: RunRecord) -> str:
     facts, led, e = record.facts, record.ledger, html.escape
     rows: list[tuple[str, str]] = []
@@ -265,7 +270,10 @@ def _header(record: RunRecord) -> str:
                  else "<span class=muted>not recorded (the run did not end, or an older guard)</span>"))
     command = facts.get("command")
     if isinstance(command, list):
-        rows.append(("command", f"<code>{e(shown(shlex.join(str(a) for a in command)))}</code>"))
+        text = shown(shlex.join(str(a) for a in command))
+        rows.append(("command", f"<code>{e(text)}</code>" if len(text) <= _COMMAND_SHOWN else
+                     f"<details><summary><code>{e(text[:_COMMAND_SHOWN])}</code>&hellip; ({len(text):,} characters: "
+                     f"open for all)</summary><code>{e(text)}</code></details>"))
     for key in ("cwd", "workspace"):
         if facts.get(key):
             rows.append((key if key != "cwd" else "directory", f"<code>{e(shown(_text(facts[key])))}</code>"))
@@ -311,7 +319,7 @@ def _diff_table(record: RunRecord) -> str:
 
 def _timeline_svg(record: RunRecord) -> str:
     steps = record.steps
-    width, height, left, bottom, top = 1000, 240, 64, 34, 12
+    width, height, left, bottom, top = 1000, 254, 64, 34, 26  # the top margin holds the trips' labels
     plot_w, plot_h = width - left - 12, height - bottom - top
     peak = max(int(s.get("tokens") or 0) for s in steps) or 1
     n = len(steps)
@@ -331,12 +339,19 @@ def _timeline_svg(record: RunRecord) -> str:
         out.append(f"<rect class=step x={x + bar * 0.1:.1f} y={top + plot_h - h:.1f} width={max(bar * 0.8, 0.5):.1f} "
                    f"height={h:.1f} fill='#4a78c2'><title>step {step.get('step')}: {value:,} tokens, "
                    f"tool {tool}</title></rect>")
+    at_step: dict[int, list[str]] = {}
     for trip in record.trips:
-        index = int(trip.get("step") or 0)
-        x = left + max(index - 0.5, 0) * bar
-        label = html.escape(_text(trip.get("rule")))
-        out.append(f"<line class=trip x1={x:.1f} y1={top} x2={x:.1f} y2={top + plot_h} stroke='#c4352b' "
-                   f"stroke-dasharray='4 3'><title>trip at step {index}: {label}</title></line>")
+        at_step.setdefault(int(trip.get("step") or 0), []).append(_text(trip.get("rule")))
+    for index, rules in at_step.items():
+        # A trip at step N came after the agent reported its Nth step: between bars N and N+1.
+        x = left + min(index, n) * bar
+        label = html.escape(", ".join(f"{rule} \u00d7{k}" if k > 1 else rule for rule, k in Counter(rules).items()))
+        anchor, dx = ("end", -4) if x > left + plot_w * 0.75 else ("start", 4)
+        for rule in rules:
+            out.append(f"<line class=trip x1={x:.1f} y1={top} x2={x:.1f} y2={top + plot_h} stroke='#c4352b' "
+                       f"stroke-width=2 stroke-dasharray='5 3'><title>trip at step {index}: {html.escape(rule)}"
+                       "</title></line>")
+        out.append(f"<text x={x + dx:.1f} y={top - 8} text-anchor={anchor} fill='#c4352b'>{label}</text>")
     out.append("</svg>")
     if record.counts["steps"] > len(steps):
         out.append(f"<p class=muted>first {len(steps)} of {record.counts['steps']} steps shown.</p>")
@@ -353,7 +368,11 @@ def when(record: RunRecord, event: dict[str, Any]) -> str:
     """Where in the run *event* happened: its step when the agent reported steps, else the
     seconds since the start."""
     if record.steps:
-        return f"step {_text(event.get('step'))}"
+        if isinstance(event.get("step"), int):
+            return f"step {event['step']}"
+        at = event.get("time")  # a denial has no step of its own: the steps reported before it
+        if isinstance(at, int | float):
+            return f"step {sum(1 for s in record.steps if float(s.get('time') or 0) <= at)}"
     offset = _offset(record, event)
     return f"+{offset:.2f} s" if offset is not None else f"step {_text(event.get('step'))}"
 

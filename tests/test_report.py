@@ -15,8 +15,12 @@ import pytest
 
 from sandbox.report import ANNOTATION_LIMIT, github_annotations, load_run
 
+from .helpers import npm_cli
+from .model_server import Turn, scripted_model
 from .runs import CHROMIUM_FLAGS, committed_workspace, guard, guard_sh, hrefs, numstat, resolve_href
 from .runs import chromium as find_chromium
+from .test_claude_code import CLAUDE_CLI, run_claude
+from .test_claude_code import setup as claude_setup
 from .test_run import guard_run, workspace
 
 # An agent that reports steps with tokens, writes in scope, reads .env (refused, recoverable),
@@ -227,3 +231,51 @@ def test_report_links_work_wherever_the_page_is(shell_run: tuple[Path, Path, sub
     printed = guard("report", "--run-dir", str(run_dir), "--html", "-")
     uris = [h for h in hrefs(printed.stdout) if not h.startswith("#")]
     assert uris and all(h.startswith("file:///") and resolve_href(h, beside).is_file() for h in uris), uris
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_report_of_a_claude_code_run(tmp_path: Path) -> None:
+    """The real Claude Code CLI, driven by the scripted model: steps come from its stream, a Write
+    out of scope is refused by its hook, a shell write out of scope by the mount."""
+    claude = npm_cli(*CLAUDE_CLI)
+    ws, home, manifest = claude_setup(tmp_path)
+    run_dir = tmp_path / "run"
+    script = [
+        Turn("Write", {"file_path": str(ws / "src/checkout/tax.py"),
+                       "content": "def total(x):\n    return max(0, round(x, 2))\n"}),
+        Turn("Write", {"file_path": str(ws / "src/auth/jwt.py"), "content": "SECRET = 'x'\n"}),
+        Turn("Bash", {"command": "echo hacked >> README.md", "description": "append"}),
+        Turn(text="All done."),
+    ]
+    with scripted_model(script) as (url, _model):
+        result = run_claude(claude, ws, home, manifest, run_dir, url)
+    assert result.returncode == 75, result.stdout + result.stderr
+    out = tmp_path / "site/report.html"
+    out.parent.mkdir()
+    made = guard("report", "--run-dir", str(run_dir), "--html", str(out))
+    assert made.returncode == 0, made.stderr
+    page = out.read_text()
+    record = load_run(run_dir)
+    assert record.steps and page.count("<rect class=step") == len(record.steps)
+    assert "Timeline: tokens per step" in page
+    assert "<th>exit status</th><td>75</td>" in page
+    assert "<th>stopped by</th><td>the breaker: scope_spill trip</td>" in page
+    assert f"<code>{html.escape(str(claude))} -p &#x27;Fix the rounding helper&#x27;" in page
+    assert ("<tr><td>src/checkout/tax.py</td><td>modified</td><td class=n><span class=add>+1</span></td>"
+            "<td class=n><span class=del>&minus;1</span></td><td>in scope</td></tr>") in page
+    assert "<b>1</b> file(s) changed: 1 in scope" in page
+    messages = {str(t.get("feedback")) for t in record.trips} | {str(d.get("reason")) for d in record.denials}
+    assert page.count("<div class=fb ") == len(messages) >= 2
+    for message in messages:  # once in full; a one-line message is also its tables' first line
+        assert page.count(f"<pre>{html.escape(message)}</pre>") == 1, message
+        assert "\n" not in message or page.count(html.escape(message)) == 1, message
+    assert all(resolve_href(h, out).is_file() for h in hrefs(page) if not h.startswith("#"))
+    artifacts = Path(os.environ.get("GUARD_TEST_ARTIFACTS", tmp_path / "artifacts"))
+    artifacts.mkdir(parents=True, exist_ok=True)
+    shot = artifacts / "report-claude.png"
+    taken = subprocess.run([find_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'chromium'}",
+                            "--window-size=1200,2000", f"--screenshot={shot}", out.as_uri()],
+                           capture_output=True, text=True, timeout=120)
+    assert taken.returncode == 0, taken.stderr[-2000:]
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
