@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import html
 import os
+import tarfile
 import time
+import zipfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -36,8 +38,21 @@ from sandbox.report import (
     utc,
 )
 
-__all__ = ["FLEET_VERSION", "OUTCOMES", "FleetError", "find_runs", "fleet", "outcome", "render_fleet_html",
-           "run_report", "summarize", "totals"]
+__all__ = [
+    "ARCHIVES",
+    "FLEET_VERSION",
+    "OUTCOMES",
+    "UNPACK_MAX_BYTES",
+    "FleetError",
+    "find_runs",
+    "fleet",
+    "outcome",
+    "render_fleet_html",
+    "run_report",
+    "summarize",
+    "totals",
+    "unpack",
+]
 
 FLEET_VERSION = 1
 #: A run's ``outcome``, with the words the page says for it:
@@ -60,26 +75,83 @@ class FleetError(ReportError):
     """A DIR given to ``--fleet`` that holds no run."""
 
 
-def find_runs(dirs: Sequence[Path]) -> list[Path]:
+#: Archives ``--fleet`` unpacks: a run directory tarred as it was uploaded, or the zip a
+#: browser downloads from GitHub's artifact page.
+ARCHIVES = (".tar", ".tar.gz", ".tgz", ".zip")
+#: Bytes one archive may unpack to.
+UNPACK_MAX_BYTES = 4 << 30
+
+
+def _archive(path: Path) -> bool:
+    return path.name.endswith(ARCHIVES)
+
+
+def unpack(archive: Path, into: Path) -> Path:
+    """Unpack *archive* into a fresh directory below *into*; FleetError for one that cannot be
+    read or would unpack past :data:`UNPACK_MAX_BYTES`. Tar members go through tarfile's
+    ``data`` filter (no absolute names, no link or name out of the directory, no devices, no
+    set-id bits); zip names are made safe by zipfile."""
+    dest = into / archive.name
+    suffix = 0
+    while dest.exists():
+        suffix += 1
+        dest = into / f"{archive.name}.{suffix}"
+    try:
+        if archive.name.endswith(".zip"):
+            with zipfile.ZipFile(archive) as z:
+                _bounded(archive, sum(i.file_size for i in z.infolist()))
+                dest.mkdir(parents=True)
+                z.extractall(dest)  # noqa: S202 (zipfile drops absolute names and ..; it makes no links)
+        else:
+            with tarfile.open(archive) as t:
+                _bounded(archive, sum(m.size for m in t.getmembers()))
+                dest.mkdir(parents=True)
+                t.extractall(dest, filter="data")
+        # A run directory is mode 000 (the guard's alone): what was unpacked is the reader's to read.
+        for root, subdirs, _names in os.walk(dest):
+            for name in subdirs:
+                path = os.path.join(root, name)
+                if not os.path.islink(path):
+                    os.chmod(path, os.lstat(path).st_mode & 0o7777 | 0o700)
+    except (OSError, tarfile.TarError, zipfile.BadZipFile) as err:
+        raise FleetError(f"cannot unpack {archive}: {err}; give the unpacked directory instead") from err
+    return dest
+
+
+def _bounded(archive: Path, size: int) -> None:
+    if size > UNPACK_MAX_BYTES:
+        raise FleetError(f"{archive} would unpack to {size:,} bytes, past {UNPACK_MAX_BYTES:,}: unpack it "
+                         "yourself and give the directory")
+
+
+def find_runs(dirs: Sequence[Path], unpack_into: Path | None = None) -> list[Path]:
     """The run directories in or below each of *dirs*, sorted, each once; FleetError naming a
     DIR that does not exist or holds none. Symlinks are not followed (an artifact may hold
-    what an agent left)."""
+    what an agent left). With *unpack_into*, an archive (:data:`ARCHIVES`) given or found
+    is unpacked there (:func:`unpack`) and searched too."""
     found: set[Path] = set()
     for top in dirs:
-        if not top.is_dir():
+        if unpack_into is not None and _archive(top) and top.is_file():
+            top = unpack(top, unpack_into)  # noqa: PLW2901 (the archive is searched as its directory)
+        elif not top.is_dir():
             raise FleetError(f"{top} is no directory: give run directories (the one guard run printed) or "
-                             "directories holding them (a CI matrix's downloaded artifacts, unpacked)")
+                             "directories holding them (a CI matrix's downloaded artifacts"
+                             + (", or their .tar or .zip files)" if unpack_into is not None else ", unpacked)"))
         here = []
-        for root, subdirs, names in os.walk(top):
-            if "ledger.json" in names:
-                here.append(Path(root))
-                subdirs.clear()  # a run's own checkpoint/ and exec/ hold no run
-            else:
+        pending = [top]
+        while pending:
+            for root, subdirs, names in os.walk(pending.pop()):
+                if "ledger.json" in names:
+                    here.append(Path(root))
+                    subdirs.clear()  # a run's own checkpoint/ and exec/ hold no run
+                    continue
                 subdirs.sort()
+                if unpack_into is not None:
+                    pending += [unpack(Path(root) / name, unpack_into) for name in sorted(names)
+                                if _archive(Path(name)) and (Path(root) / name).is_file()]
         if not here:
             raise FleetError(f"{top} holds no run: no ledger.json in it or below it. Give the run directory "
-                             "guard run printed, or a directory holding run directories (unpack a downloaded "
-                             "artifact first)")
+                             "guard run printed, or a directory holding run directories (or their archives)")
         found.update(p.absolute() for p in here)
     return sorted(found)
 
@@ -208,11 +280,11 @@ def run_report(record: RunRecord, spare: Path) -> Path:
 def fleet(dirs: Sequence[Path], out: Path | None) -> tuple[dict[str, Any], list[RunRecord]]:
     """The fleet's JSON dict (see the module's docstring) and the runs' records. Each run's report
     is written when absent (:func:`run_report`; beside *out*, in ``<out>-runs/``, for a run
-    directory that cannot be written)."""
-    paths = find_runs(dirs)
+    directory that cannot be written); archives are unpacked in ``<out>-runs/unpacked/``."""
+    spare_dir = (out.parent / f"{out.stem}-runs") if out is not None else Path.cwd() / "guard-fleet-runs"
+    paths = find_runs(dirs, spare_dir / "unpacked")
     records = [load_run(path) for path in paths]
     top = os.path.commonpath([p.parent for p in paths])
-    spare_dir = (out.parent / f"{out.stem}-runs") if out is not None else Path.cwd() / "guard-fleet-runs"
     runs = []
     for i, record in enumerate(records, 1):
         name = f"{i:03d}-{printable(str(record.ledger.get('task', {}).get('id', 'run')))[:60]}.html".replace("/", "_")

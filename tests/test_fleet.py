@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -168,3 +169,32 @@ def test_fleet_json_on_stdout_and_a_dir_with_no_run(fleet_runs: tuple[Path, dict
 def test_json_goes_with_fleet_only(tmp_path: Path) -> None:
     proc = guard("report", "--run-dir", str(tmp_path), "--json", str(tmp_path / "x.json"))
     assert proc.returncode == 64 and "--json goes with --fleet" in proc.stderr
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_fleet_over_downloaded_archives(fleet_runs: tuple[Path, dict[str, tuple[Path, int, Any]]],
+                                        tmp_path: Path) -> None:
+    """A CI download: one job's run directory tarred (by tar, as a workflow does), another's as the
+    zip GitHub's artifact page gives; the fleet unpacks both beside its page."""
+    _artifacts, runs = fleet_runs
+    downloads = tmp_path / "downloads"
+    (downloads / "job-spill").mkdir(parents=True)
+    spill = runs["spill"][0]
+    subprocess.run(["tar", "-C", str(spill.parent), "-cf", str(downloads / "job-spill/run-dir.tar"), spill.name],
+                   check=True)
+    shutil.make_archive(str(downloads / "guard-run-clean"), "zip", runs["clean"][0])
+    out = tmp_path / "site/fleet.html"
+    out.parent.mkdir()
+    made = guard("report", "--fleet", str(downloads), "--html", str(out), "--json", str(tmp_path / "fleet.json"))
+    assert made.returncode == 0, made.stderr
+    data = json.loads((tmp_path / "fleet.json").read_text())
+    assert sorted(r["outcome"] for r in data["runs"]) == ["clean", "tripped"]
+    unpacked = tmp_path / "site/fleet-runs/unpacked"
+    assert {Path(r["run_dir"]).relative_to(unpacked).parts[0] for r in data["runs"]} == {
+        "run-dir.tar", "guard-run-clean.zip"}
+    assert all(resolve_href(h, out).is_file() for h in hrefs(out.read_text()))
+    broken = tmp_path / "broken.tar"
+    broken.write_bytes(b"not a tar")
+    refused = guard("report", "--fleet", str(broken), "--html", str(tmp_path / "b.html"))
+    assert refused.returncode == 64 and f"cannot unpack {broken}" in refused.stderr
