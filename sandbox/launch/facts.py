@@ -38,8 +38,8 @@ from guardfs.checkpoint import start_images
 from guardfs.events import escape_name
 from sandbox.breaker.ledger import write_atomic
 
-__all__ = ["CHANGES", "DIFF_MAX_FILES", "LINES_MAX_BYTES", "RUN_FILE", "STOP_KINDS", "diff_stat", "read_facts",
-           "record_end", "record_start"]
+__all__ = ["CHANGES", "DIFF_MAX_FILES", "LINES_MAX_BYTES", "LINES_TOTAL_MAX_BYTES", "RUN_FILE", "STOP_KINDS",
+           "diff_stat", "read_facts", "record_end", "record_start"]
 
 RUN_FILE = "run.json"
 #: ``stopped_by.kind``: the agent ended by itself; the breaker stopped it on a terminal trip;
@@ -52,6 +52,8 @@ CHANGES = ("added", "modified", "deleted", "type-changed")
 DIFF_MAX_FILES = 500
 #: A side of a file larger than this is not read for its lines (its change is listed, lines None).
 LINES_MAX_BYTES = 8 << 20
+#: Bytes read for line counts over the whole run (both sides); past that, files are listed with lines None.
+LINES_TOTAL_MAX_BYTES = 256 << 20
 #: Git's test for a binary file: a NUL byte in its first 8000 bytes.
 _BINARY_PROBE = 8000
 
@@ -100,18 +102,20 @@ def diff_stat(workspace: Path, store: Path, scope_of: Callable[[str, bool], str]
     Returns ``{"files": [...], "omitted": n, "totals": {...}, "git_files": n}``. Each file is
     ``{"path", "change", "added", "deleted", "binary", "scope", "in_scope"}``: *change* is
     ``added``, ``modified``, ``deleted`` or ``type-changed``; *added* and *deleted* count lines
-    (None for a binary file or a side past :data:`LINES_MAX_BYTES`; a line moved within a file
-    counts as neither); *scope* is the policy's (``guardfs.policy.Scope``) for the path,
-    *in_scope* whether that is the task's scope; *path* is escaped as in the ledger. Totals:
-    ``files``, ``in_scope``, ``out_of_scope``, ``lines_added``, ``lines_deleted`` and a count
-    per change (each of :data:`CHANGES`). Directories are not listed
-    (git does not list them either), nor git's own files (``git_files`` counts them) nor
-    generated output (never kept: ``[paths] generated``). ``scope_of(path, is_dir)`` classifies.
+    (None for a binary file, a side past :data:`LINES_MAX_BYTES`, or once the run's files
+    passed :data:`LINES_TOTAL_MAX_BYTES`; a line moved within a file counts as neither);
+    *scope* is the policy's (``guardfs.policy.Scope``) for the path, *in_scope* whether that
+    is the task's scope; *path* is escaped as in the ledger. Totals: ``files``, ``in_scope``,
+    ``out_of_scope``, ``lines_added``, ``lines_deleted`` and a count per change (each of
+    :data:`CHANGES`). Directories are not listed (git does not list them either), nor git's
+    own files (``git_files`` counts them) nor generated output (never kept: ``[paths]
+    generated``). ``scope_of(path, is_dir)`` classifies.
     """
     images = start_images(store)
     backing = Backing(str(workspace))
     files: list[dict[str, Any]] = []
     git_files = 0
+    budget = LINES_TOTAL_MAX_BYTES
     try:
         for path in sorted(images):
             record, blob = images[path]
@@ -128,7 +132,8 @@ def diff_stat(workspace: Path, store: Path, scope_of: Callable[[str, bool], str]
             if scope.startswith("git-"):
                 git_files += 1
                 continue
-            added, deleted = _lines(before, after)
+            budget -= len(before.data or b"") + len(after.data or b"")
+            added, deleted = _lines(before, after) if budget >= 0 else (None, None)
             files.append({"path": escape_name(path), "change": change, "added": added, "deleted": deleted,
                           "binary": before.binary or after.binary, "scope": scope, "in_scope": scope in _IN_SCOPE})
     finally:
