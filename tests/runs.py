@@ -55,15 +55,15 @@ def guard(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-def numstat(ws: Path) -> dict[str, tuple[int, int]]:
-    """git's own count of what changed since the commit: {path: (added, deleted)}."""
+def numstat(ws: Path) -> dict[str, tuple[int | None, int | None]]:
+    """git's own count of what changed since the commit: {path: (added, deleted)}, None for a binary file's."""
     subprocess.run(["git", "add", "-A"], cwd=ws, check=True)
     out = subprocess.run(["git", "diff", "--cached", "--numstat", "--no-renames"], cwd=ws, check=True,
                          capture_output=True, text=True).stdout
-    counts = {}
+    counts: dict[str, tuple[int | None, int | None]] = {}
     for line in out.splitlines():
         added, deleted, path = line.split("\t")
-        counts[path] = (int(added), int(deleted))
+        counts[path] = (None, None) if added == "-" else (int(added), int(deleted))
     return counts
 
 

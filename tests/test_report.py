@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from sandbox.launch.facts import diff_stat
 from sandbox.report import ANNOTATION_LIMIT, github_annotations, load_run
 
 from .helpers import npm_cli
@@ -145,9 +146,11 @@ def test_report_of_a_directory_that_is_no_run(tmp_path: Path) -> None:
     assert f"{tmp_path}/ledger.json does not exist" in proc.stderr
 
 
-# A shell agent: no steps, no hook. It changes three files in scope (one of each change), then
-# writes out of scope twice: the first is refused and recoverable, the second stops the run.
+# A shell agent: no steps, no hook. It changes five files in scope (one of each change, a binary
+# file and a symlink among them), then writes out of scope twice: the first is refused and
+# recoverable, the second stops the run.
 SHELL = ("echo 'x = 1' >> src/checkout/tax.py; printf 'p\\nq\\n' > src/checkout/new.py; rm src/checkout/old.py; "
+         "printf 'a\\000b' > src/checkout/blob.bin; ln -s tax.py src/checkout/link.py; "
          "echo spill >> README.md; echo spill >> notes.md; echo never")
 
 
@@ -176,25 +179,35 @@ def test_report_of_a_shell_agent(shell_run: tuple[Path, Path, subprocess.Complet
     assert "<th>stopped by</th><td>the breaker: scope_spill trip</td>" in page
     assert re.search(r"<th>started</th><td>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC</td>", page)
     assert re.search(r"<th>duration</th><td>\d+\.\d s</td>", page)
-    assert f"<th>command</th><td><code>{html.escape(shlex.join(['sh', '-c', SHELL]))}</code>" in page
+    assert "<th>command</th><td><details><summary><code>sh -c" in page  # a long one folds
+    assert f"<code>{html.escape(shlex.join(['sh', '-c', SHELL]))}</code></details>" in page
     assert "<th>writes allowed in</th><td><code>src/checkout/</code></td>" in page
     assert "<th>forbidden</th><td><code>.env*</code></td>" in page
     # The diff stat: git's own count of what changed since the start, file by file.
     truth = numstat(ws)
-    assert truth == {"src/checkout/new.py": (2, 0), "src/checkout/old.py": (0, 3), "src/checkout/tax.py": (1, 0)}
-    changes = {"src/checkout/new.py": "added", "src/checkout/old.py": "deleted", "src/checkout/tax.py": "modified"}
+    assert truth == {"src/checkout/new.py": (2, 0), "src/checkout/old.py": (0, 3), "src/checkout/tax.py": (1, 0),
+                     "src/checkout/blob.bin": (None, None), "src/checkout/link.py": (1, 0)}
+    changes = {"src/checkout/new.py": "added", "src/checkout/old.py": "deleted", "src/checkout/tax.py": "modified",
+               "src/checkout/blob.bin": "added", "src/checkout/link.py": "added"}
     for path, (added, deleted) in truth.items():
-        assert (f"<tr><td>{path}</td><td>{changes[path]}</td><td class=n><span class=add>+{added}</span></td>"
-                f"<td class=n><span class=del>&minus;{deleted}</span></td><td>in scope</td></tr>") in page
-    assert "<b>3</b> file(s) changed: 3 in scope, <b class=>0 out of scope</b>; 1 added, 1 modified, 1 deleted" in page
+        lines = (f"<td class=n><span class=add>+{added}</span></td><td class=n><span class=del>&minus;{deleted}</span>"
+                 "</td>" if added is not None else "<td class=n>binary</td><td class=n></td>")
+        assert f"<tr><td>{path}</td><td>{changes[path]}</td>{lines}<td>in scope</td></tr>" in page, path
+    assert "<b>5</b> file(s) changed: 5 in scope, <b class=>0 out of scope</b>; 3 added, 1 modified, 1 deleted" in page
     facts = json.loads((run_dir / "run.json").read_text())
     assert {f["path"]: (f["added"], f["deleted"]) for f in facts["diff"]["files"]} == truth
     # No step came: the timeline is of file events over time, and trips are placed by time.
     assert "Timeline: file events over time" in page
     assert page.count("<line class=trip") == 2
-    assert page.count("<rect class=change") >= 3 and page.count("<rect class=refused") == 2
+    assert page.count("<rect class=change") >= 5 and page.count("<rect class=refused") == 2
     assert "at step 0" not in page and ">step 0<" not in page  # (the feedback text itself says "step 0.")
     assert len(re.findall(r"<td class=n>\+\d+\.\d\d s</td><td>scope_spill</td>", page)) == 2
+    # In scope or not is the manifest's policy, asked at the end of the run: the same pre-images
+    # judged by another policy say so.
+    judged = diff_stat(ws, run_dir / "checkpoint",
+                       lambda path, _d: "out-of-scope" if path.endswith(".bin") else "allowed")
+    assert judged["totals"]["out_of_scope"] == 1 and judged["totals"]["in_scope"] == 4
+    assert [f["path"] for f in judged["files"] if not f["in_scope"]] == ["src/checkout/blob.bin"]
     # Each distinct message the agent got once, in full; the tables point at it.
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     messages = {e["feedback"] for e in events if e["op"] == "trip"} | {
