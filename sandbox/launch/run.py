@@ -1004,7 +1004,8 @@ def _summary(opts: RunOptions, breaker: Breaker, accounting: WriteAccounting, ev
         "  tokens: no steps reported, so token_surge and token_velocity judged nothing (an agent's steps come "
         "from its machine-readable output, its hooks, guard feed or the client library: the README's block for "
         "your agent says which flag asks for its output)",
-        f"  run directory: {opts.run_dir} (stdout.log, stderr.log, events.jsonl, ledger.json, STATE.md)",
+        f"  run directory: {opts.run_dir} (stdout.log, stderr.log, events.jsonl, ledger.json, run.json, STATE.md; "
+        "guard report --run-dir makes a page of it)",
         *(f"  output capped: {r.describe()}" for r in outcome.recorders if r.dropped),
     ]
     if outcome.left:  # the agent's names, escaped by guardfs.harvest; the first few, and how many
