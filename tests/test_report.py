@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 from sandbox.launch.facts import diff_stat
 from sandbox.report import ANNOTATION_LIMIT, github_annotations, load_run
 
-from .helpers import npm_cli
+from .helpers import npm_cli, wait_for
 from .model_server import Turn, scripted_model
 from .runs import CHROMIUM_FLAGS, committed_workspace, guard, guard_sh, hrefs, numstat, resolve_href
 from .runs import chromium as find_chromium
@@ -292,3 +293,26 @@ def test_report_of_a_claude_code_run(tmp_path: Path) -> None:
                            capture_output=True, text=True, timeout=120)
     assert taken.returncode == 0, taken.stderr[-2000:]
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_report_says_a_signal_ended_the_run(tmp_path: Path) -> None:
+    ws, manifest = committed_workspace(tmp_path)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sandbox", "run", "--manifest", str(manifest), "--run-dir", str(run_dir), "--",
+         "sh", "-c", "echo 'x = 1' >> src/checkout/tax.py; touch src/checkout/ready; sleep 60"],
+        cwd=ws, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: (ws / "src/checkout/ready").exists() or proc.poll() is not None, "the agent at work", 60)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    page = guard("report", "--run-dir", str(run_dir), "--html", "-").stdout
+    assert f"<th>exit status</th><td>{128 + signal.SIGTERM}</td>" in page
+    assert "<th>stopped by</th><td>a signal to the guard: SIGTERM</td>" in page
+    assert "<b>2</b> file(s) changed: 2 in scope" in page  # tax.py and ready, as far as the agent got

@@ -446,7 +446,7 @@ def _stopped_by(outcome: _Outcome, breaker: Breaker) -> dict[str, Any]:
         return {"kind": kind, "detail": f"{rule} trip", "rule": rule, "state": outcome.tripped.value}
     if outcome.interrupted is not None:
         name = signal.Signals(outcome.interrupted).name
-        return {"kind": "signal", "detail": f"{name} to the guard", "signal": name}
+        return {"kind": "signal", "detail": name, "signal": name}
     return {"kind": "agent", "detail": f"the agent exited with status {outcome.status}", "status": outcome.status}
 
 
