@@ -71,7 +71,8 @@ def _report_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     which = report.add_mutually_exclusive_group(required=True)
     which.add_argument("--run-dir", help="the run directory guard run printed")
     which.add_argument("--fleet", nargs="+", metavar="DIR",
-                       help="run directories, or directories holding them (a CI matrix's downloaded artifacts)")
+                       help="run directories, directories holding them (a CI matrix's downloaded artifacts), "
+                            "or their .tar/.tar.gz/.zip archives (unpacked beside the page)")
     report.add_argument("--html", metavar="FILE",
                         help="where to write the page (default: RUN_DIR/report.html; with --fleet, "
                              "guard-fleet.html here); - for stdout")
@@ -511,6 +512,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_fleet(args: argparse.Namespace) -> int:
     from sandbox.fleet import fleet, render_fleet_html
 
+    if args.html == "-" and args.json == "-":
+        raise UsageError("--html - and --json - cannot both go to stdout: give one of them a FILE")
     out = None if args.html == "-" else Path(args.html or "guard-fleet.html")
     data, _records = fleet([Path(d) for d in args.fleet], out)
     page = render_fleet_html(data, out)

@@ -169,6 +169,8 @@ def test_fleet_json_on_stdout_and_a_dir_with_no_run(fleet_runs: tuple[Path, dict
 def test_json_goes_with_fleet_only(tmp_path: Path) -> None:
     proc = guard("report", "--run-dir", str(tmp_path), "--json", str(tmp_path / "x.json"))
     assert proc.returncode == 64 and "--json goes with --fleet" in proc.stderr
+    proc = guard("report", "--fleet", str(tmp_path), "--html", "-", "--json", "-")
+    assert proc.returncode == 64 and "cannot both go to stdout" in proc.stderr
 
 
 @pytest.mark.root
