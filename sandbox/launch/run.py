@@ -429,7 +429,10 @@ def _finish(opts: RunOptions, session: Session, outcome: _Outcome) -> int:
     """The run's records once it ended (the ledger of a failed guard, run.json's end); its exit status."""
     _ledger_failure(opts.run_dir, session.daemon, outcome.failure)  # after the daemon's last write
     status = _exit_status(outcome)
-    record_end(opts.run_dir, status, _stopped_by(outcome, session.breaker), _diff(opts, session))
+    try:
+        record_end(opts.run_dir, status, _stopped_by(outcome, session.breaker), _diff(opts, session))
+    except OSError as err:  # the run's outcome and its summary stand; the report says run.json has no end
+        _say(f"run.json not completed: {err}")
     return status
 
 
