@@ -56,7 +56,7 @@ from guardfs.harvest import copy_extents
 
 __all__ = [
     "CHECKPOINT_MAX_BYTES", "CheckpointError", "PreImages", "Rollback", "last_rollback", "restore_points",
-    "rollback_offline",
+    "rollback_offline", "start_images",
 ]
 
 # Files up to this size are copied on the loop, not in a worker thread.
@@ -980,6 +980,24 @@ def _current(store: Path) -> int:
 def restore_points(store: Path) -> list[tuple[int, str]]:
     """The restore points kept in *store* (live or offline): (generation, label), oldest first."""
     return _points(store, _current(store))
+
+
+def start_images(store: Path) -> dict[str, tuple[dict[str, object], Path | None]]:
+    """How each path the run changed was at the start: ``{path: (record, blob)}``, the record
+    as in index.jsonl (``kind``: absent, dir, symlink, fifo, file, unrestorable, generated) and
+    *blob* the copy of a file's bytes (None for any other kind). A path first changed after a
+    checkpoint was unchanged before it, so the oldest record of each path is its start.
+    Raises CheckpointError for a store that was tampered with."""
+    found: dict[str, tuple[dict[str, object], Path | None]] = {}
+    for generation in range(_current(store) + 1):
+        directory = store / f"{generation:04d}"
+        if not os.path.lexists(directory):
+            continue
+        for rec in _records(directory):
+            if rec["path"] not in found:
+                blob = directory / rec["blob"] if rec["kind"] == "file" and "blob" in rec else None
+                found[rec["path"]] = (dict(rec), blob)
+    return found
 
 
 def rollback_offline(workspace: str, store: Path, to: str = "last") -> Rollback:

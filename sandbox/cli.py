@@ -55,6 +55,31 @@ def _detect(command: list[str]) -> str:
     return agent.name if agent is not None else "generic"
 
 
+def _report_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """``guard report``'s arguments (a single run, or --fleet)."""
+    report = sub.add_parser(
+        "report",
+        help="an HTML page of a run (or, with --fleet, of many): outcome, changes, trips, feedback, logs",
+        description="Write one self-contained HTML page (no network, no script) for the run in RUN_DIR: its exit "
+                    "status and who or what stopped it, start, duration, command and scope; a diff stat of what it "
+                    "changed, in and out of scope; a timeline (tokens per step, or file events over time when no "
+                    "step was reported); every trip and denial, each distinct feedback message once; links to the "
+                    "logs that work from wherever the page is written. With --fleet: one page (and --json) over "
+                    "many runs: runs by outcome and by rule, tokens spent and the share after the first trip, "
+                    "files changed in and out of scope, a link to each run's report (written when absent).",
+    )
+    which = report.add_mutually_exclusive_group(required=True)
+    which.add_argument("--run-dir", help="the run directory guard run printed")
+    which.add_argument("--fleet", nargs="+", metavar="DIR",
+                       help="run directories, directories holding them (a CI matrix's downloaded artifacts), "
+                            "or their .tar/.tar.gz/.zip archives (unpacked beside the page)")
+    report.add_argument("--html", metavar="FILE",
+                        help="where to write the page (default: RUN_DIR/report.html; with --fleet, "
+                             "guard-fleet.html here); - for stdout")
+    report.add_argument("--json", metavar="FILE",
+                        help="with --fleet: also write the fleet's JSON (sandbox.fleet) here; - for stdout")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="guard",
@@ -196,16 +221,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     hook.add_argument("agent", choices=list(HOOKED), help="whose hook format")
 
-    report = sub.add_parser(
-        "report",
-        help="an HTML page of a run: timeline of steps and tokens, denials, trips, files, logs",
-        description="Write one self-contained HTML page (no network, no script) for the run in RUN_DIR: the "
-                    "timeline of steps with tokens per step, every denial and trip with the feedback the agent "
-                    "got, the files mutated with their rewrite counts, and links to the quarantined logs.",
-    )
-    report.add_argument("--run-dir", required=True, help="the run directory guard run printed")
-    report.add_argument("--html", metavar="FILE",
-                        help="where to write the page (default: RUN_DIR/report.html); - for stdout")
+    _report_parser(sub)
 
     sub.add_parser(
         "demo",
@@ -478,19 +494,49 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from sandbox.report import load_run, render_html
 
+    if args.fleet is not None:
+        return _cmd_fleet(args)
+    if args.json is not None:
+        raise UsageError("--json goes with --fleet; a single run's JSON is its ledger.json and run.json")
     run_dir = Path(args.run_dir)
-    page = render_html(load_run(run_dir))  # ReportError: a usage error naming the file
+    record = load_run(run_dir)  # ReportError: a usage error naming the file
     if args.html == "-":
-        sys.stdout.write(page)
+        sys.stdout.write(render_html(record))
         return Exit.OK
     out = Path(args.html) if args.html else run_dir / "report.html"
-    try:
-        out.write_text(page, encoding="utf-8")
-    except OSError as err:
-        raise CantCreateError(f"cannot write {out}: {err.strerror or err}; give a writable path with "
-                              "--html FILE, or - for stdout") from err
+    _write_out(out, render_html(record, out))
     print(out)
     return Exit.OK
+
+
+def _cmd_fleet(args: argparse.Namespace) -> int:
+    from sandbox.fleet import fleet, render_fleet_html
+
+    if args.html == "-" and args.json == "-":
+        raise UsageError("--html - and --json - cannot both go to stdout: give one of them a FILE")
+    out = None if args.html == "-" else Path(args.html or "guard-fleet.html")
+    data, _records = fleet([Path(d) for d in args.fleet], out)
+    page = render_fleet_html(data, out)
+    if out is None:
+        sys.stdout.write(page)
+    else:
+        _write_out(out, page)
+    if args.json == "-":
+        json.dump(data, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    elif args.json is not None:
+        _write_out(Path(args.json), json.dumps(data, indent=2) + "\n")
+    if out is not None:
+        print(out)
+    return Exit.OK
+
+
+def _write_out(out: Path, text: str) -> None:
+    try:
+        out.write_text(text, encoding="utf-8")
+    except OSError as err:
+        raise CantCreateError(f"cannot write {out}: {err.strerror or err}; give a writable path with "
+                              "--html FILE (or --json FILE), or - for stdout") from err
 
 
 def _cmd_rollback_offline(run_dir: Path, unreachable: Exception, to: str) -> int:

@@ -28,17 +28,18 @@ import tty
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import pyfuse3
 import trio
 
 from guardfs.accounting import WriteAccounting
-from guardfs.errors import UsageError
+from guardfs.errors import GuardError, UsageError
 from guardfs.events import EventLog, printable
 from guardfs.harvest import harvest, remove_tree
 from guardfs.manifest import Manifest, outside_secrets
 from guardfs.mount import check_fuse_available, init_mount, keepalive, mount_options
+from guardfs.rules import Rule
 from sandbox.agents import Event, to_messages
 from sandbox.agents.hooks import AGENT_STATE, agent_state, compiled_helper, launch
 from sandbox.agents.registry import AGENTS, HOOKED
@@ -48,6 +49,7 @@ from sandbox.breaker.daemon import SOCKET_PATH_MAX, Daemon
 from sandbox.breaker.ledger import write_ledger
 from sandbox.exitcodes import Exit
 from sandbox.launch.console import LiveConsole
+from sandbox.launch.facts import diff_stat, record_end, record_start
 from sandbox.launch.inject import MidRunBinder
 from sandbox.launch.install import Installation, installation, resolve_command, reveal
 from sandbox.launch.isolation import (
@@ -181,6 +183,7 @@ def _run(opts: RunOptions, bwrap: str | None, started: list[bool],
     mnt.mkdir(exist_ok=True)
     _say_where(opts)
     stop_on_terminal = _say_terminal_action(opts)
+    record_start(run_dir, opts.command, opts.cwd, opts.workspace, opts.agent, opts.ci)  # for guard report
     events = EventLog(run_dir / "events.jsonl", caps=opts.manifest.record)
     with open(run_dir / "workspace", "w", opener=lambda p, f: os.open(p, f, 0o600)) as marker:
         marker.write(str(opts.workspace))  # for an offline guard rollback
@@ -223,8 +226,7 @@ def _run(opts: RunOptions, bwrap: str | None, started: list[bool],
         lane_stage.cleanup()
         native_stage.cleanup()
         _after_run(stage, opts, outcome)
-    _ledger_failure(run_dir, session.daemon, outcome.failure)  # after the daemon's last write
-    status = _exit_status(outcome)
+    status = _finish(opts, session, outcome)
     _summary(opts, breaker, accounting, events, outcome, status)
     if not private:
         _say("(unprivileged run: the mount lived in the host's mount namespace and has been removed)")
@@ -421,6 +423,45 @@ def _record_failure(run_dir: Path, err: Exception, after: int | None = None) -> 
     if after is not None:
         failure["after_agent"] = str(after)
     return failure
+
+
+def _finish(opts: RunOptions, session: Session, outcome: _Outcome) -> int:
+    """The run's records once it ended (the ledger of a failed guard, run.json's end); its exit status."""
+    _ledger_failure(opts.run_dir, session.daemon, outcome.failure)  # after the daemon's last write
+    status = _exit_status(outcome)
+    try:
+        record_end(opts.run_dir, status, _stopped_by(outcome, session.breaker), _diff(opts, session))
+    except OSError as err:  # the run's outcome and its summary stand; the report says run.json has no end
+        _say(f"run.json not completed: {err}")
+    return status
+
+
+def _stopped_by(outcome: _Outcome, breaker: Breaker) -> dict[str, Any]:
+    """Who or what ended the run, for run.json (sandbox.launch.facts.STOP_KINDS)."""
+    if outcome.failure is not None:
+        return {"kind": "guard-failure", "detail": f"internal error ({outcome.failure['error']})"}
+    if outcome.tripped is State.OPEN_STOPPED:
+        return {"kind": "operator", "detail": "guard stop", "state": outcome.tripped.value}
+    if outcome.tripped is not None:
+        trips = breaker.snapshot()["trips"]
+        rule = str(trips[-1]["rule"]) if trips else ""
+        kind = "timeout" if rule == Rule.IDLE_TRANSPORT else "breaker"
+        return {"kind": kind, "detail": f"{rule} trip", "rule": rule, "state": outcome.tripped.value}
+    if outcome.interrupted is not None:
+        name = signal.Signals(outcome.interrupted).name
+        return {"kind": "signal", "detail": name, "signal": name}
+    return {"kind": "agent", "detail": f"the agent exited with status {outcome.status}", "status": outcome.status}
+
+
+def _diff(opts: RunOptions, session: Session) -> dict[str, Any]:
+    """What the run changed (sandbox.launch.facts.diff_stat), or why that is not known: the
+    run's outcome stands whatever this finds."""
+    try:
+        return diff_stat(opts.workspace, opts.run_dir / "checkpoint",
+                         lambda path, is_dir: session.policy.classify(path, is_dir).scope.value)
+    except (OSError, GuardError) as err:
+        _say(f"no diff stat for the report: {err}")
+        return {"error": str(err)}
 
 
 def _exit_status(outcome: _Outcome) -> int:
@@ -966,7 +1007,8 @@ def _summary(opts: RunOptions, breaker: Breaker, accounting: WriteAccounting, ev
         "  tokens: no steps reported, so token_surge and token_velocity judged nothing (an agent's steps come "
         "from its machine-readable output, its hooks, guard feed or the client library: the README's block for "
         "your agent says which flag asks for its output)",
-        f"  run directory: {opts.run_dir} (stdout.log, stderr.log, events.jsonl, ledger.json, STATE.md)",
+        f"  run directory: {opts.run_dir} (stdout.log, stderr.log, events.jsonl, ledger.json, run.json, STATE.md; "
+        "guard report --run-dir makes a page of it)",
         *(f"  output capped: {r.describe()}" for r in outcome.recorders if r.dropped),
     ]
     if outcome.left:  # the agent's names, escaped by guardfs.harvest; the first few, and how many
