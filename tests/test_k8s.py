@@ -255,13 +255,14 @@ mount -t tmpfs -o nosuid,nodev,mode=1777 tmpfs "$stage/shm"
 ln -s /proc/self/fd "$stage/fd"
 for i in 0:stdin 1:stdout 2:stderr; do ln -s "/proc/self/fd/${i%%:*}" "$stage/${i#*:}"; done
 mount --move "$stage" /dev
+rmdir "$stage"
 echo "$POD_READY" >&2
 exec setpriv --inh-caps=-all --ambient-caps=-all --bounding-set="$caps" -- "$@"
 """
 #: In the new user namespace: says so on stdout, waits on stdin for its uid and gid maps (dash
 #: redirects only fds 0-9: no extra pipes), then enters the other namespaces, stdin /dev/null.
 USERNS_THEN_POD = ('echo userns; read -r _; exec </dev/null; exec unshare --mount --pid --ipc --uts --fork '
-                   '--mount-proc --propagation private -- sh -c "$0" pod "$@"')
+                   '--kill-child --mount-proc --propagation private -- sh -c "$0" pod "$@"')
 #: What the runtime says on stderr once the pod is made, just before it starts the command.
 POD_READY = "pod: ready"
 #: The pod's uids 0..65535 (kubelet maps them to a range of the node's; here onto the same
@@ -288,7 +289,12 @@ def in_pod(command: list[str], *, caps: list[str], fuse: bool, cwd: Path,
             with open(f"/proc/{proc.pid}/{name}", "w", encoding="ascii") as f:
                 f.write(ID_MAP)
         proc.stdin.write("go\n")
-    out, err = proc.communicate(timeout=timeout)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # unshare --kill-child: the pod's first process, and its PID namespace, go too
+        proc.communicate()
+        raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
