@@ -42,6 +42,7 @@
 #include <Python.h>
 
 #include <dlfcn.h>
+#include <errno.h>
 #include <stdint.h>
 
 #define FUSE_USE_VERSION 35

@@ -45,6 +45,8 @@ class UnavailableError(GuardError):
     """Something the guard needs is not there: FUSE, isolation, or a guard at a socket."""
 
     exit_code = Exit.UNAVAILABLE
+    #: Whether it is the machine that lacks it (``guard doctor`` says what, and how to fix it).
+    machine: ClassVar[bool] = False
 
 
 class CantCreateError(GuardError):
@@ -67,3 +69,5 @@ class ManifestError(GuardError):
 
 class MountError(UnavailableError):
     """The guarded mount cannot be set up (no /dev/fuse, no libfuse, bad mountpoint)."""
+
+    machine = True

@@ -8,7 +8,6 @@ import logging
 import os
 import re
 import shlex
-import shutil
 import signal
 import socket
 import stat
@@ -20,6 +19,7 @@ from types import FrameType
 import pyfuse3
 import trio
 
+from guardfs.device import fuse_device, mount_helper
 from guardfs.errors import MountError, UsageError
 from guardfs.fs import GuardFS
 
@@ -56,29 +56,11 @@ _MOUNT_HINT = ("; check that the mountpoint is a directory you may mount on and 
 
 
 def check_fuse_available() -> None:
-    """Raise MountError saying what is missing when FUSE cannot work here."""
-    if not os.path.exists("/dev/fuse"):
-        raise MountError(
-            "/dev/fuse does not exist: load the fuse module (modprobe fuse) or, in a container, "
-            "pass --device /dev/fuse --cap-add SYS_ADMIN"
-        )
-    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
-        # fusermount3 is no way around it: it opens the device as the calling user (tested).
-        st = os.stat("/dev/fuse")
-        raise MountError(
-            f"/dev/fuse is mode {stat.S_IMODE(st.st_mode):04o} (owner uid {st.st_uid}, group gid {st.st_gid}): "
-            f"uid {os.geteuid()} may not open it, nor may fusermount3, which opens it as the same user; as "
-            "root, chmod 0666 /dev/fuse (the mode fuse3 gives it), or run guard as root"
-        )
-    if os.geteuid() == 0:
-        return
-    helper = shutil.which("fusermount3")
-    if helper is None or not os.stat(helper).st_mode & stat.S_ISUID:
-        found = "there is no fusermount3 on PATH" if helper is None else f"{helper} is not setuid root"
-        raise MountError(
-            f"uid {os.geteuid()} may not mount, and {found} to mount for it; install fuse3 (apt-get install "
-            "fuse3: its fusermount3 is setuid root), or run guard as root"
-        )
+    """Raise MountError saying what is missing when FUSE cannot work here (:mod:`guardfs.device`:
+    the findings ``guard doctor`` shows)."""
+    for finding in (fuse_device(), mount_helper()):
+        if finding.status == "MISSING":
+            raise MountError(finding.message)
 
 
 def check_directory(what: str, path: str) -> None:

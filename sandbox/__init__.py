@@ -5,7 +5,7 @@ over what the mount and the agent report), its daemon (the agent and control soc
 ledger), the launcher of ``guard run`` (bubblewrap, Landlock, lanes, supervision of the
 agent), the agent adapters and hooks, quarantined tool runs (``guard exec``), reports, and
 the CLI that ties them together (``guard check|mount|run|status|approve|stop|checkpoint|
-rollback|feed|hook|exec|report|demo``).
+rollback|feed|hook|exec|report|doctor|demo``).
 """
 
 # guardfs first, before anything of ours imports pyfuse3: guardfs.fusereply must be loaded

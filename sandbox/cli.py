@@ -223,6 +223,7 @@ def _parser() -> argparse.ArgumentParser:
 
     _report_parser(sub)
 
+    _add_doctor(sub)
     sub.add_parser(
         "demo",
         help="play a drifting agent against a real guarded mount of a sample repository",
@@ -231,6 +232,21 @@ def _parser() -> argparse.ArgumentParser:
     for verb in sub.choices.values():
         _accept_verbose(verb)
     return p
+
+
+def _add_doctor(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """The ``doctor`` verb's arguments."""
+    doctor = sub.add_parser(
+        "doctor",
+        help="check what this machine gives guard (FUSE, bubblewrap, namespaces, Landlock, seccomp) and how to "
+             "fix what it lacks",
+        description="Try each thing guard needs from this machine, for real: /dev/fuse, fusermount3, bubblewrap, user "
+                    "and mount namespaces, Landlock, seccomp user notification, the kernel, and the container it "
+                    "may run in. One line per check (ok, warn or MISSING); each MISSING is followed by the one "
+                    "command that fixes it. Exit 0 when nothing required is missing, 69 otherwise.",
+    )
+    doctor.add_argument("--json", action="store_true", help='print a JSON list of {"name", "status", "detail", '
+                        '"fix"} instead')
 
 
 def _add_mount(sub: argparse._SubParsersAction[_Parser]) -> None:
@@ -451,7 +467,11 @@ def _run_manifest(given: str | None, workspace: Path) -> Manifest:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from sandbox.launch.isolation import IsolationUnavailable
-    from sandbox.launch.run import SYSTEM_RUNS, RunOptions, default_run_dir, run
+
+    try:
+        from sandbox.launch.run import SYSTEM_RUNS, RunOptions, default_run_dir, run  # needs libfuse
+    except ImportError as err:
+        raise MountError(f"libfuse 3 is not usable ({err}); install fuse3 and libfuse3-3") from err
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -701,6 +721,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     workspace=args.workspace))
         if args.verb == "schema":
             return _cmd_schema(args)
+        if args.verb == "doctor":
+            from sandbox.doctor import main as doctor
+
+            return doctor(as_json=args.json)
         if args.verb == "demo":
             from sandbox.demo import run_demo
 
@@ -726,7 +750,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_hook(args.agent, sys.stdin.buffer.read())
         return _cmd_mount(args)
     except (GuardError, GuardClientError) as err:  # the one place an error becomes a status, for every verb
-        print(f"guard {args.verb}: {err}", file=sys.stderr)
+        if isinstance(err, UnavailableError) and err.machine:
+            from sandbox.doctor import POINTER
+
+            text = str(err)
+            print(f"guard {args.verb}: {text}{' ' if text.endswith('.') else '. '}{POINTER}", file=sys.stderr)
+        else:
+            print(f"guard {args.verb}: {err}", file=sys.stderr)
         return int(err.exit_code)
     except Exception:
         log.exception("internal error (a bug in guard: please report it with this traceback)")

@@ -18,6 +18,9 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+from sandbox.doctor import POINTER
+from sandbox.exitcodes import Exit
+
 __all__ = ["run_demo"]
 
 MANIFEST = """\
@@ -144,6 +147,9 @@ def run_demo() -> int:
     ok = proc.returncode == 75 and "BAD" not in log and untouched and no_hook and fired
     print(f"\nthe real workspace: session.ts untouched: {untouched}; no git hook planted: {no_hook}")
     print(f"events: {run_dir / 'events.jsonl'}; ledger: {run_dir / 'STATE.md'}")
+    if proc.returncode == Exit.UNAVAILABLE:  # guard run said what the machine lacks
+        print(f"\ndemo could not start: guard run exited {proc.returncode}. {POINTER}")
+        return Exit.UNAVAILABLE
     print("\ndemo " + ("passed: every step ended as the manifest says, and the breaker stopped the run (75)"
                        if ok else f"FAILED (guard run exited {proc.returncode})"))
     return 0 if ok else 70

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from sandbox.doctor import POINTER
+
 from .helpers import git_env, wait_for
 
 
@@ -306,12 +308,12 @@ def test_guard_mount_as_a_user(installation: str, mode: int, helper: str) -> Non
             assert found["stderr"] == (
                 "guard mount: /dev/fuse is mode 0600 (owner uid 0, group gid 0): uid 65534 may not open it, nor may "
                 "fusermount3, which opens it as the same user; as root, chmod 0666 /dev/fuse (the mode fuse3 gives "
-                "it), or run guard as root\n"), found
+                f"it), or run guard as root. {POINTER}\n"), found
         elif helper == "plain":
             assert found["stderr"] == (
                 f"guard mount: uid 65534 may not mount, and {base}/bin/fusermount3 is not setuid root to mount for "
-                "it; install fuse3 (apt-get install fuse3: its fusermount3 is setuid root), or run guard as root\n"), \
-                found
+                "it; install fuse3 (apt-get install fuse3: its fusermount3 is setuid root), or run guard as root. "
+                f"{POINTER}\n"), found
         if helper == "setuid" and mode == 0o666:
             assert (found["status"], found["read"], found["mounted"], found["run_dir"]) == (0, "served", False, True)
         else:  # a refused start leaves no run directory behind

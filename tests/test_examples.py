@@ -206,31 +206,6 @@ def test_zizmor_flags_the_workflow_of_before() -> None:
     assert "2 high" in audit.stdout
 
 
-def _k8s(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([_tool("kubernetes-validate"), "--strict", str(path)],
-                          capture_output=True, text=True, timeout=120)
-
-
-def test_kubernetes_job_matches_the_object_schema(tmp_path: Path) -> None:
-    result = _k8s(CONTAINERS / "k8s-job.yaml")
-    assert result.returncode == 0 and "passed" in result.stdout, result.stdout + result.stderr
-    broken = tmp_path / "job.yaml"
-    broken.write_text((CONTAINERS / "k8s-job.yaml").read_text().replace("restartPolicy:", "restartPolicyy:"))
-    assert _k8s(broken).returncode != 0
-
-
-def test_kubernetes_job_runs_one_guard_per_pod_with_fuse() -> None:
-    job = _load("k8s-job.yaml")
-    assert job["kind"] == "Job" and job["spec"]["backoffLimit"] == 0
-    pod = job["spec"]["template"]["spec"]
-    (agent,) = pod["containers"]
-    command = " ".join(agent["command"] + agent["args"])
-    assert command.count("guard run --ci") == 1 and "--user agent" in command
-    assert "events.jsonl" in command  # the run directory leaves the pod on stdout, as JSON lines
-    assert "SYS_ADMIN" in agent["securityContext"]["capabilities"]["add"]
-    assert any("fuse" in key for key in agent["resources"]["limits"])
-
-
 def test_tools_are_installed() -> None:
     """The validators are test extras, not looked up on PATH (a missing one fails, never skips)."""
     for name in ("check-jsonschema", "kubernetes-validate"):

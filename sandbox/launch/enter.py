@@ -17,6 +17,7 @@ import argparse
 import os
 import sys
 
+from sandbox.doctor import POINTER
 from sandbox.launch.landlock import LandlockUnavailable, restrict_writes
 from sandbox.launch.seccomp import hand_over
 
@@ -39,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         restrict_writes([p for p in args.write if os.path.exists(p)])
     except LandlockUnavailable as err:
         print(f"guard: refusing to start the agent: {err.strerror}; pass --no-isolation to run without "
-              "(then nothing but the mount's own rules stops writes outside the workspace)", file=sys.stderr)
+              f"(then nothing but the mount's own rules stops writes outside the workspace). {POINTER}",
+              file=sys.stderr)
         return 69
     if args.filter is not None and (why := hand_over(args.filter, args.removals)) is not None:
         # After no_new_privs, which a filter needs. Without it the host's unix sockets would
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"guard: refusing to start the agent: the guard's seccomp filter is not in place ({why}); "
               "it keeps the host's unix sockets out of the sandbox's reach. It needs a kernel with "
               "seccomp user notification (Linux >= 5.9, x86_64 or aarch64); pass --no-isolation to run "
-              "without a sandbox at all", file=sys.stderr)
+              f"without a sandbox at all. {POINTER}", file=sys.stderr)
         return 69
     try:
         os.execvp(command[0], command)  # noqa: S606 - exec'ing the agent is this module's job

@@ -30,8 +30,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import pwd
 import shutil
 import stat
+import subprocess
 import sys
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -41,9 +43,9 @@ from sandbox.launch.install import Installation
 from sandbox.launch.landlock import LandlockUnavailable, abi_version
 
 __all__ = [
-    "MAX_ETC_MASKS", "SANDBOX_RUN_DIR", "HostMasks", "Isolation", "IsolationUnavailable", "bind_read_only",
-    "bwrap_argv", "host_secrets", "mount_tmpfs", "private_mount_namespace", "probe", "reachable_by", "system_entry",
-    "unbind", "visible_secrets",
+    "MAX_ETC_MASKS", "NAMESPACES", "SANDBOX_RUN_DIR", "HostMasks", "Isolation", "IsolationUnavailable",
+    "bind_read_only", "bwrap_argv", "host_secrets", "mount_tmpfs", "private_mount_namespace", "probe", "reachable_by",
+    "system_entry", "try_sandbox", "unbind", "visible_secrets",
 ]
 
 #: Where the agent finds the guard inside the sandbox (GUARD_RUN_DIR).
@@ -69,6 +71,8 @@ _MNT_DETACH = 2
 class IsolationUnavailable(UnavailableError):
     """What is missing for isolation, in words a user can act on."""
 
+    machine = True
+
 
 @dataclass(frozen=True)
 class Isolation:
@@ -78,8 +82,35 @@ class Isolation:
     landlock_abi: int
 
 
-def probe() -> Isolation:
-    """Check that bubblewrap and Landlock work here; raise IsolationUnavailable saying why not."""
+#: The namespaces of every sandbox (bwrap_argv), which probe() makes once before a run.
+NAMESPACES = ("--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try")
+
+
+def try_sandbox(bwrap: str, user: str | None = None) -> str | None:
+    """Start bubblewrap as a run starts it (the namespaces, the read-only host, a fresh /dev,
+    /proc and /tmp; as *user*, through setpriv, like ``guard run --user``) running ``true``:
+    None when it could, else bubblewrap's own words (no user namespace, no mount namespace)."""
+    prefix = []
+    if user is not None:
+        pw = pwd.getpwnam(user)
+        prefix = ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups"]
+    drop = ["--cap-drop", "ALL"] if os.geteuid() == 0 and user is None else []
+    argv = [*prefix, bwrap, "--die-with-parent", *NAMESPACES, "--ro-bind", "/", "/", "--dev", "/dev",
+            "--proc", "/proc", "--tmpfs", "/tmp", *drop, "--", "true"]
+    try:
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, errors="replace", timeout=30, check=False, cwd="/")
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"{bwrap} could not be run: {err}"
+    if proc.returncode == 0:
+        return None
+    said = " ".join(proc.stderr.split()) or f"exit status {proc.returncode}"
+    return f"{bwrap} cannot make the sandbox here ({said})"
+
+
+def probe(user: str | None = None) -> Isolation:
+    """Check that bubblewrap (for *user*, an agent of another user) and Landlock work here;
+    raise IsolationUnavailable saying why not."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise IsolationUnavailable("bubblewrap is not installed (apt-get install bubblewrap)")
@@ -87,6 +118,9 @@ def probe() -> Isolation:
         abi = abi_version()
     except LandlockUnavailable as err:
         raise IsolationUnavailable(f"{err.strerror} (a kernel >= 5.13 with lsm=landlock is needed)") from err
+    failed = try_sandbox(bwrap, user)
+    if failed is not None:
+        raise IsolationUnavailable(failed)
     return Isolation(bwrap, abi)
 
 
@@ -349,7 +383,7 @@ def bwrap_argv(
     argv = [
         bwrap,
         "--die-with-parent",
-        "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        *NAMESPACES,
         "--ro-bind", "/", "/",
         "--dev", "/dev",
         "--proc", "/proc",

@@ -313,7 +313,7 @@ def _sandbox_tool(opts: RunOptions) -> str | None:
     """bubblewrap's path; None (said aloud) with --no-isolation. Raises IsolationUnavailable,
     which the CLI turns into 69."""
     if opts.isolation:
-        return probe().bwrap
+        return probe(opts.user).bwrap
     if opts.manifest.sandbox.network == "none":
         raise UsageError('[sandbox] network = "none" needs the sandbox (its own network namespace); '
                          "drop --no-isolation, or set network = \"host\"")

@@ -44,7 +44,7 @@ import socket
 import struct
 from dataclasses import dataclass
 
-__all__ = ["ACK", "Listener", "Notification", "Removal", "hand_over", "receive_listener"]
+__all__ = ["ACK", "Listener", "Notification", "Removal", "hand_over", "receive_listener", "try_listener"]
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,14 @@ def _install(removals: bool) -> int:
         err = ctypes.get_errno()
         raise OSError(err, f"seccomp: {os.strerror(err)}")
     return int(fd)  # close-on-exec: the agent never holds it
+
+
+def try_listener() -> None:
+    """Install the guard's filter on this process and close its listener at once; OSError when
+    the kernel refuses (no user notification, no_new_privs not set, a listener already above).
+    Only for a process that ends right after (``guard doctor`` runs it in a child): what the
+    filter notifies fails from then on (ENOSYS), nobody listening."""
+    os.close(_install(removals=False))
 
 
 def hand_over(sock_fd: int, removals: bool = False) -> str | None:

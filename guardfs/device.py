@@ -1,0 +1,86 @@
+"""What the machine gives guardfs to mount with: the FUSE device and the mount helper.
+
+Checked without libfuse, for real (the device is opened, as the mount will open it), by
+:func:`guardfs.mount.check_fuse_available` before every mount and by ``guard doctor``, which
+shows the same findings with the one command that fixes each.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["FUSE_DEVICE", "Finding", "fuse_device", "mount_helper"]
+
+FUSE_DEVICE = "/dev/fuse"
+#: The FUSE device's numbers (Documentation/admin-guide/devices.txt: misc 229).
+_MAJOR, _MINOR = 10, 229
+
+Status = Literal["ok", "MISSING", "warn"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What was found: *detail* in a few words; when not ok, *advice* (the rest of the sentence a
+    refused mount says) and *fix* (one command)."""
+
+    status: Status
+    detail: str
+    advice: str = ""
+    fix: str | None = None
+
+    @property
+    def message(self) -> str:
+        """The sentence a refused mount says."""
+        return f"{self.detail}; {self.advice}" if self.advice else self.detail
+
+
+def fuse_device(container_fix: str | None = None) -> Finding:
+    """/dev/fuse: present, the FUSE character device, and openable read-write by this user.
+    *container_fix* is how the container we are in gets the device (None: not in one)."""
+    device_fix = container_fix or "modprobe fuse"
+    try:
+        st = os.stat(FUSE_DEVICE)
+    except FileNotFoundError:
+        return Finding("MISSING", "/dev/fuse does not exist",
+                       "load the fuse module (modprobe fuse) or, in a container, pass --device /dev/fuse "
+                       "--cap-add SYS_ADMIN", device_fix)
+    numbers = (os.major(st.st_rdev), os.minor(st.st_rdev))
+    if not stat.S_ISCHR(st.st_mode) or numbers != (_MAJOR, _MINOR):
+        return Finding("MISSING", f"/dev/fuse is not the FUSE device (a character device {_MAJOR},{_MINOR})",
+                       "replace it with the real one", f"rm /dev/fuse && mknod -m 0666 /dev/fuse c {_MAJOR} {_MINOR}")
+    mode = stat.S_IMODE(st.st_mode)
+    try:
+        os.close(os.open(FUSE_DEVICE, os.O_RDWR | os.O_CLOEXEC))
+    except OSError as err:
+        if err.errno == errno.EACCES:
+            # fusermount3 is no way around it: it opens the device as the calling user (tested).
+            return Finding(
+                "MISSING",
+                f"/dev/fuse is mode {mode:04o} (owner uid {st.st_uid}, group gid {st.st_gid}): uid {os.geteuid()} "
+                "may not open it, nor may fusermount3, which opens it as the same user",
+                "as root, chmod 0666 /dev/fuse (the mode fuse3 gives it), or run guard as root",
+                "chmod 0666 /dev/fuse")
+        return Finding("MISSING", f"/dev/fuse cannot be opened: {err.strerror}",
+                       "a container's device rules refuse it: pass --device /dev/fuse to the container", device_fix)
+    return Finding("ok", f"character device {_MAJOR},{_MINOR}, mode {mode:04o}, opened read-write as uid "
+                         f"{os.geteuid()}")
+
+
+def mount_helper() -> Finding:
+    """fusermount3, through which anyone but root mounts: on PATH and setuid root."""
+    helper = shutil.which("fusermount3")
+    root = os.geteuid() == 0
+    st = os.stat(helper) if helper is not None else None
+    if helper is not None and st is not None and st.st_mode & stat.S_ISUID and st.st_uid == 0:
+        return Finding("ok", f"{helper}, setuid root")
+    found = "there is no fusermount3 on PATH" if helper is None else f"{helper} is not setuid root"
+    if root:  # libfuse mounts and unmounts directly as root
+        return Finding("warn", f"{found}; not needed as root (only users other than root mount through it)")
+    return Finding("MISSING", f"uid {os.geteuid()} may not mount, and {found} to mount for it",
+                   "install fuse3 (apt-get install fuse3: its fusermount3 is setuid root), or run guard as root",
+                   f"chmod u+s {helper}" if st is not None and st.st_uid == 0 else "apt-get install fuse3")
