@@ -30,15 +30,18 @@ mkdir -p "$CACHE"
 TMP=$(mktemp -d /var/tmp/guardfs-feature.XXXXXX)
 chmod 0755 "$TMP"
 # The images this run's `devcontainer up` builds: named after the workspace folder
-# (vsc-sample-project-HASH, its -uid variant) and the CLI's Features content image; those not
-# there before the run are this run's alone and removed with its container.
+# (vsc-sample-project-HASH, its -uid variant), the CLI's Features content image, and the
+# untagged ones its build leaves (the user's Dockerfile stage); those not there before the run
+# are this run's and removed with its container.
 ours='localhost/(vsc-sample-project-|dev_container_feature_content_temp)'
-images_before=
+images_before= dangling_before=
 cleanup() {
     # GUARDFS_FEATURE_KEEP=1: leave the container and its images for a look (podman rm -f, rmi).
     if [ "${GUARDFS_FEATURE_KEEP:-0}" = 1 ]; then say "kept: container ${DC_ID:-none}, workspace $TMP"; return; fi
     [ -n "${DC_ID:-}" ] && podman rm -f "$DC_ID" >/dev/null 2>&1
     podman images --format '{{.Repository}}:{{.Tag}}' | grep -E "^$ours" | grep -vxF -f <(printf '%s\n' "$images_before") \
+        | xargs -r podman rmi >/dev/null 2>&1 || true
+    podman images --filter dangling=true --format '{{.ID}}' | grep -vxF -f <(printf '%s\n' "$dangling_before") \
         | xargs -r podman rmi >/dev/null 2>&1 || true
     rm -rf "$TMP"
 }
@@ -49,6 +52,7 @@ podman_config
 base_image
 cli=$(devcontainer_cli)
 images_before=$(podman images --format '{{.Repository}}:{{.Tag}}' | grep -E "^$ours" || true)
+dangling_before=$(podman images --filter dangling=true --format '{{.ID}}')
 
 # ---- the wheel, from the committed tree ---------------------------------------------------------
 git clone --quiet "$REPO" "$TMP/src"
