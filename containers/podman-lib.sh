@@ -47,9 +47,9 @@ EOF
 
 # base_image: a Debian 12 base image built with mmdebstrap from Debian's archive as the host's
 # apt sources name it, imported as $BASE_IMAGE (no image registry needed; kept: skipped when
-# present). A lock keeps two tests from building it at once.
+# present). A lock keeps two tests (pytest-xdist workers) from building it at once.
 base_image() {
-    exec 9> "$CACHE/base-image.lock"
+    exec 9> "$CACHE/setup.lock"
     flock 9
     if ! podman image exists "$BASE_IMAGE"; then
         local sources=() f
@@ -101,12 +101,17 @@ for env, value in sorted(found.items()):
 PY
 }
 
-# devcontainer_cli: the path of @devcontainers/cli (pinned, from npm, under $CACHE).
+# devcontainer_cli: the path of @devcontainers/cli (pinned, from npm, under $CACHE; installed
+# under the same lock as the base image, the two tests may start together).
 devcontainer_cli() {
     local dir=$CACHE/devcontainers-cli-$DEVCONTAINER_CLI_VERSION
+    exec 9> "$CACHE/setup.lock"
+    flock 9
     if [ ! -x "$dir/node_modules/.bin/devcontainer" ]; then
         lib_stamp "installing @devcontainers/cli@$DEVCONTAINER_CLI_VERSION into $dir"
         npm install --silent --no-audit --no-fund --prefix "$dir" "@devcontainers/cli@$DEVCONTAINER_CLI_VERSION" >&2
     fi
+    flock -u 9
+    exec 9>&-
     echo "$dir/node_modules/.bin/devcontainer"
 }
