@@ -26,13 +26,13 @@ DEVCONTAINER=1
 [ "${1:-}" = --no-devcontainer ] && DEVCONTAINER=0
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=${GUARDFS_CONTAINER_CACHE:-$REPO/.cache/containers}
-BASE_IMAGE=localhost/guardfs-debian:12
 IMAGE=localhost/guardfs:test
-DEVCONTAINER_CLI_VERSION=0.89.0
 # What every container here needs: /dev/fuse and CAP_SYS_ADMIN to mount the guard, and /proc
 # unmasked so that bubblewrap (as a non-root agent) can mount a fresh /proc in its sandbox.
 RUN_OPTS=(--network host --device /dev/fuse --cap-add SYS_ADMIN --security-opt systempaths=unconfined)
 
+# shellcheck source=containers/podman-lib.sh
+. "$REPO/containers/podman-lib.sh"  # BASE_IMAGE, the devcontainer CLI, podman's configuration
 say() { printf 'test-image: %s\n' "$*" >&2; }
 check() {  # check NAME STATUS DETAIL
     if [ "$2" -eq 0 ]; then echo "CHECK $1 ok"; else echo "CHECK $1 FAIL $3"; fi
@@ -55,79 +55,20 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# ---- 1. packages -------------------------------------------------------------------------
-want=(podman runc mmdebstrap)
-[ "$DEVCONTAINER" = 1 ] && ! command -v npm >/dev/null && want+=(npm)
-missing=()
-for pkg in "${want[@]}"; do
-    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-    stamp "installing ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
-fi
-
-# ---- 2. podman's configuration, for this script only ------------------------------------------
-hard_nofile=$(ulimit -Hn); hard_nproc=$(ulimit -Hu)
-nofile=20000; nproc=32768
-[ "$hard_nofile" != unlimited ] && [ "$hard_nofile" -lt "$nofile" ] && nofile=$hard_nofile
-[ "$hard_nproc" != unlimited ] && [ "$hard_nproc" -lt "$nproc" ] && nproc=$hard_nproc
-cat > "$CACHE/containers.conf" <<EOF
-# Written by containers/test-image.sh; used through CONTAINERS_CONF by that script only.
-[containers]
-default_ulimits = ["nofile=$nofile:$nofile", "nproc=$nproc:$nproc"]
-[engine]
-runtime = "runc"
-cgroup_manager = "cgroupfs"
-events_logger = "file"
-EOF
-export CONTAINERS_CONF=$CACHE/containers.conf
-
-# ---- 3. the base image ----------------------------------------------------------------------
-if ! podman image exists "$BASE_IMAGE"; then
-    sources=()
-    for f in /etc/apt/sources.list.d/*.sources; do
-        [ -f "$f" ] && grep -Eq 'debian-archive-keyring|[/.]debian\.org' "$f" && sources+=("$f")
-    done
-    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
-        [ -f "$f" ] || continue
-        grep -E '^deb .*[/.]debian\.org' "$f" > "$TMP/$(basename "$f").list" && sources+=("$TMP/$(basename "$f").list")
-    done
-    stamp "building $BASE_IMAGE with mmdebstrap from ${sources[*]:-the default Debian mirror}"
-    mmdebstrap --quiet --variant=minbase --include=ca-certificates bookworm "$TMP/base.tar" "${sources[@]}" >&2
-    podman import --quiet --change 'CMD ["/bin/bash"]' "$TMP/base.tar" "$BASE_IMAGE" >&2
-    rm -f "$TMP/base.tar"
-fi
+# ---- 1-3. packages, podman's configuration, the base image (shared: podman-lib.sh) -----------
+podman_packages "$([ "$DEVCONTAINER" = 1 ] && echo npm)"
+podman_config
+base_image
 
 # ---- 4. the project's image, from a clean clone --------------------------------------------
 git clone --quiet "$REPO" "$TMP/src"
 build=(--build-arg "BASE=$BASE_IMAGE")
 # The host's extra CA certificates (a TLS-inspecting proxy's), for pip in the build only.
-find /usr/local/share/ca-certificates -name '*.crt' -type f -exec cat {} + > "$TMP/extra_ca.pem" 2>/dev/null || true
+extra_ca "$TMP/extra_ca.pem"
 [ -s "$TMP/extra_ca.pem" ] && build+=(--secret "id=extra_ca,src=$TMP/extra_ca.pem")
 # pip's index settings: the network ones (http/https) from PIP_* or pip's config files; local
 # file:// indexes and find-links of the host do not exist in the build.
-python3 - > "$TMP/pip.env" <<'PY'
-import configparser, os
-keys = {"index-url": "PIP_INDEX_URL", "extra-index-url": "PIP_EXTRA_INDEX_URL", "timeout": "PIP_DEFAULT_TIMEOUT",
-        "default-timeout": "PIP_DEFAULT_TIMEOUT"}
-found = {}
-home = os.path.expanduser("~")
-for path in ("/etc/xdg/pip/pip.conf", "/etc/pip.conf", f"{home}/.pip/pip.conf", f"{home}/.config/pip/pip.conf"):
-    cp = configparser.ConfigParser()
-    cp.read(path)
-    for key, env in keys.items():
-        if cp.has_option("global", key):
-            found[env] = cp.get("global", key)
-for env in set(keys.values()):
-    if os.environ.get(env):
-        found[env] = os.environ[env]
-for env, value in sorted(found.items()):
-    if env != "PIP_DEFAULT_TIMEOUT":
-        value = " ".join(u for u in value.split() if u.startswith(("http://", "https://")))
-    print(f"{env}={value}")
-PY
+pip_index_env > "$TMP/pip.env"
 while IFS='=' read -r key value; do
     [ -n "$value" ] && build+=(--build-arg "$key=$value")
 done < "$TMP/pip.env"
@@ -157,12 +98,7 @@ stamp "podman checks done"
 
 # ---- 6. the devcontainer -------------------------------------------------------------------
 [ "$DEVCONTAINER" = 1 ] || exit 0
-cli_dir=$CACHE/devcontainers-cli-$DEVCONTAINER_CLI_VERSION
-cli=$cli_dir/node_modules/.bin/devcontainer
-if [ ! -x "$cli" ]; then
-    stamp "installing @devcontainers/cli@$DEVCONTAINER_CLI_VERSION into $cli_dir"
-    npm install --silent --no-audit --no-fund --prefix "$cli_dir" "@devcontainers/cli@$DEVCONTAINER_CLI_VERSION" >&2
-fi
+cli=$(devcontainer_cli)
 # A workspace as a developer has it: a clone owned by the container's `dev` (uid 1000).
 git clone --quiet "$REPO" "$TMP/ws"
 chown -R 1000:1000 "$TMP/ws"
