@@ -168,6 +168,7 @@ def fetch_pinned_clis() -> None:
     from .test_real_aider import AIDER_CLI
     from .test_real_codex import CODEX_CLI
     from .test_real_gemini import GEMINI_CLI
+    from .test_wheel import BUILD_CLI, PIPX_CLI
 
     def fetch(cli: tuple[Callable[[str, str, str, str], Path], tuple[str, str, str, str]]) -> None:
         install, args = cli
@@ -178,7 +179,7 @@ def fetch_pinned_clis() -> None:
 
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(fetch, [(npm_cli, CLAUDE_CLI), (npm_cli, CODEX_CLI), (npm_cli, GEMINI_CLI),
-                              (pip_cli, AIDER_CLI)]))
+                              (pip_cli, AIDER_CLI), (pip_cli, BUILD_CLI), (pip_cli, PIPX_CLI)]))
 
 
 def reports(log: Path) -> list[dict[str, Any]]:
