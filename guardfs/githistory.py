@@ -411,6 +411,11 @@ def _walk(repo: Repository, classify_path: _Secret, tails: pathspec.GitIgnoreSpe
     the nameless blobs, and the number of objects."""
     deadline = time.monotonic() + MAX_SECONDS
     common = repo.common_dir
+    # The walk reads SHA-1 names and tree entries: a SHA-256 store's would be misread, its
+    # secrets missed without a word (issue 22). Said instead: the run then fails closed.
+    kind = _git(common, "rev-parse", "--show-object-format", deadline=deadline).decode().strip()
+    if kind != "sha1":
+        raise ValueError(f"its objects are named with {kind}; the check reads sha1 stores only")
     objects = _count_objects(common, deadline)
     if objects > max_objects:
         raise HistoryTooLarge(f"{objects} objects (the guard walks at most {max_objects})")

@@ -17,9 +17,9 @@ cannot change). Only the workspace's own ``.git`` directory is judged; the paths
 are the workspace's paths. The policy (``git_state_locked``) makes those files read-only to
 every other mutation, so the hook and the mount give one answer.
 
-At start the guard also lists the forbidden paths git tracks (in HEAD and the index):
-their contents are in git's object store, readable with ``git show`` whatever the mount
-refuses. ``paths.forbidden_in_git`` says what to do about them (see the manifest).
+Which secrets git already holds at the start (in HEAD, the index, or anywhere else in its
+stores) is not this module's: :mod:`guardfs.githistory` checks every store whole, and
+``paths.forbidden_in_git`` says what to do about what it finds (see the manifest).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from dulwich.diff_tree import tree_changes
 from dulwich.errors import NotTreeError
 from dulwich.index import ConflictedIndexEntry, IndexEntry, cleanup_mode, read_index_dict
-from dulwich.object_store import DiskObjectStore, iter_tree_contents, tree_lookup_path
+from dulwich.object_store import DiskObjectStore, tree_lookup_path
 from dulwich.objects import Commit, ObjectID, ShaFile, Tag, Tree
 from dulwich.refs import read_packed_refs_with_peeled
 
@@ -106,7 +106,6 @@ class GitScope:
         # Commits a new reflog line or FETCH_HEAD may name without a check: those the
         # reflogs and FETCH_HEAD named at the start, and those already judged in scope.
         self._named: set[bytes] = set()
-        self.tracked_forbidden: list[str] = []
         if os.path.isdir(self._git):
             self._snapshot()
 
@@ -128,15 +127,8 @@ class GitScope:
         refs = self._loose_refs() | dict(self._packed_refs(PACKED_REFS))
         self._start_refs = set(refs.values())
         head = self._resolve_head(refs)
-        store = self._store()
         if head is not None:
-            self._head_tree = _tree_of(store, head)
-        tracked = set(self._start_index)
-        if self._head_tree is not None:
-            tracked.update(os.fsdecode(e.path) for e in iter_tree_contents(store, self._head_tree) if e.path)
-        self.tracked_forbidden = sorted(
-            p for p in tracked if self.policy.classify(p, False).scope is Scope.FORBIDDEN
-        )
+            self._head_tree = _tree_of(self._store(), head)
         self._named = set(self._start_refs)
         budget = _MAX_LOG_BYTES
         logs = [os.path.join(self._git, "FETCH_HEAD")] + [

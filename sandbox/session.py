@@ -129,10 +129,10 @@ class Session:
     def _git_scope(self, manifest: Manifest, workspace: str | os.PathLike[str],
                    git_cache: Path | None) -> GitScope:
         """The workspace's git state at the start, and what ``paths.forbidden_in_git`` makes
-        of the secrets git holds anywhere (raises ForbiddenInGitError under "refuse"): in
-        HEAD and the index, and in every repository's whole store (guardfs.githistory). Only
-        secrets: git may track protected paths (they are readable anyway)."""
-        scope = GitScope(workspace, self.policy)
+        of the secrets git holds anywhere (raises ForbiddenInGitError under "refuse"): every
+        repository's whole store and every index (guardfs.githistory, the check guard check
+        makes: HEAD's tree is walked as every commit's is, the index is read as every index
+        is). Only secrets: git may track protected paths (they are readable anyway)."""
         policy = self.policy
         history = check_workspace(
             os.fspath(workspace), lambda p: policy.classify(p.rstrip("/"), p.endswith("/")).scope is Scope.FORBIDDEN,
@@ -145,16 +145,15 @@ class Session:
                 f"{'y' if len(history.scans) == 1 else 'ies'}, {sum(x.objects for x in history.scans)} objects, "
                 f"{sum(x.seconds for x in history.scans):.1f} s"
                 + (f" ({cached} from the cache of {git_cache})" if cached else ""))
-        where: dict[str, list[str]] = {p: ["HEAD or the index"] for p in scope.tracked_forbidden}
+        where: dict[str, list[str]] = {}
         for repo, found in history.found:
             where.setdefault(found.path, []).extend(
                 w if repo.prefix == "" else f"{w} in {repo.label}" for w in found.where)
         inside, outside = history.git_dirs(os.fspath(workspace))
         if inside:  # read-only (guardfs.policy); forbidden under "hide-git" below
             self.policy = self._policy_with(manifest, hide_git=False, git_dirs=inside)
-            scope.policy = self.policy
         if not where and history.problem is None:
-            return scope
+            return GitScope(workspace, self.policy)
         tracked = sorted(where)
         mode = manifest.paths.forbidden_in_git
         shown = ", ".join(tracked[:20]) + (f" and {len(tracked) - 20} more" if len(tracked) > 20 else "")
@@ -166,7 +165,6 @@ class Session:
                    "reflog, stash or unreachable object `git stash clear`, then `git reflog expire "
                    f"--expire-unreachable=now --all && git gc --prune=now`), or {modes}")
         if mode == "refuse":
-            scope.close()
             if not where:
                 raise ForbiddenInGitError(
                     f"{history.problem}: a secret in it would be readable through git whatever the mount "
@@ -181,13 +179,12 @@ class Session:
         if mode == "hide-git":
             self.policy = self._policy_with(manifest, hide_git=True, git_dirs=inside, masked=outside)
             self.git_masks = outside
-            scope.policy = self.policy
             self.notices.append(f"{said}: every git directory is forbidden to the agent "
                                 "in this run (paths.forbidden_in_git = \"hide-git\"); git does not work here")
         else:
             self.notices.append(f"WARNING: {said}: their contents ARE readable "
                                 "through git's object store in this run (paths.forbidden_in_git = \"warn\")")
-        return scope
+        return GitScope(workspace, self.policy)
 
     def _policy_with(self, manifest: Manifest, *, hide_git: bool, git_dirs: list[str],
                      masked: list[str] | None = None) -> PathPolicy:

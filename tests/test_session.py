@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import errno
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from guardfs.events import EventLog
+from guardfs.gitscope import ForbiddenInGitError
+from guardfs.manifest import parse_manifest
 from sandbox.breaker.client import GuardClient
+from sandbox.session import Session
 
-from .helpers import FIX_TAX
+from .helpers import FIX_TAX, git_env
 from .mounts import Guarded, guarded_mount
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,3 +125,48 @@ def test_only_the_session_builds_guardfs_and_the_daemon() -> None:
         if builders.search(line) and not line.lstrip().startswith(("class ", "#", '"'))
     ]
     assert found == []
+
+
+def _git(ws: Path, *args: str) -> None:
+    subprocess.run(["git", *args], cwd=ws, env=git_env(ws.parent), check=True, capture_output=True)
+
+
+def _head_and_index_cases(ws: Path, case: str) -> None:
+    """A workspace whose .env git holds only where GitScope's HEAD and index looked (before
+    issue 22, besides the walk of the stores)."""
+    ws.mkdir()
+    (ws / ".env").write_text("TOKEN=s3cr3t\n")
+    (ws / "README").write_text("x\n")
+    _git(ws, "init", "-q", "-b", "main", *(["--object-format=sha256"] if case == "sha256" else []))
+    if case == "staged on an unborn branch":  # no commit at all: the index alone
+        _git(ws, "add", ".env")
+        return
+    _git(ws, "add", ".")
+    _git(ws, "commit", "-qm", "with .env")
+    _git(ws, "rm", "-q", "--cached", ".env")  # HEAD's tree alone holds it
+    if case == "detached, no ref, no reflog":  # and only HEAD reaches that commit
+        _git(ws, "checkout", "-q", "--detach")
+        _git(ws, "branch", "-qD", "main")
+        shutil.rmtree(ws / ".git/logs")
+
+
+@pytest.mark.parametrize("case", ["committed in HEAD", "detached, no ref, no reflog", "staged on an unborn branch",
+                                  "sha256"])
+def test_the_walk_of_the_stores_finds_what_head_and_the_index_hold(tmp_path: Path, case: str) -> None:
+    """Session._git_scope judges git's start by the walk of every store alone (what guard check
+    judges by): a secret in HEAD's tree or in the index only is found and refuses the run, naming
+    where; a store the walk cannot read (SHA-256 names) refuses it, saying so."""
+    ws = tmp_path / "ws"
+    _head_and_index_cases(ws, case)
+    with pytest.raises(ForbiddenInGitError) as caught:
+        Session(parse_manifest(FIX_TAX), ws, EventLog(None))
+    said = str(caught.value)
+    if case == "sha256":
+        assert "sha256" in said and "the guard cannot read git's history" in said, said
+        return
+    assert "git holds secret path(s) .env" in said, said
+    where = said.partition("where: .env: ")[2]
+    assert where.startswith({"committed in HEAD": "commit ", "detached, no ref, no reflog": "commit ",
+                             "staged on an unborn branch": "the index"}[case]), said
+    assert ("(main)" in where) is (case == "committed in HEAD"), said
+    assert ("the index" in where) is (case == "staged on an unborn branch"), said
