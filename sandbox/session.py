@@ -27,6 +27,7 @@ from guardfs.events import EventLog, printable
 from guardfs.fs import GuardFS
 from guardfs.githistory import WorkspaceScan, check_workspace
 from guardfs.gitscope import ForbiddenInGitError, GitScope
+from guardfs.links import StartWalk, walk_workspace
 from guardfs.manifest import Manifest
 from guardfs.policy import PathPolicy, Scope, read_gitignore
 from sandbox.breaker import Breaker, Effect, Effects
@@ -98,7 +99,10 @@ class Session:
         #: Git directories outside the workspace the sandbox must mask ("hide-git").
         self.git_masks: list[str] = []
         self.git_history = WorkspaceScan()
-        self.gitscope = self._git_scope(manifest, workspace, git_cache)
+        # The one walk of the workspace at start (guardfs.links): the other names of forbidden
+        # files, and for the check of git's history where each .git is and which files are secrets.
+        walked = walk_workspace(workspace, self.policy)
+        self.gitscope = self._git_scope(manifest, workspace, git_cache, walked)
         self.accounting = WriteAccounting(committed=self.gitscope.committed_version)
         self._breaker: Breaker | None = None
         if run_dir is not None:
@@ -115,6 +119,7 @@ class Session:
             gitscope=self.gitscope,
             # Generated output out of scope (caches, bytecode) lands here, never in the workspace.
             scratch_dir=run_dir / "scratch" if run_dir is not None else None,
+            links=walked.links_for(self.policy),  # the run's policy: "hide-git" forbids git's files too
         )
         self._daemon: Daemon | None = None
         if self._breaker is not None and run_dir is not None:
@@ -127,7 +132,7 @@ class Session:
         self._prepared = False
 
     def _git_scope(self, manifest: Manifest, workspace: str | os.PathLike[str],
-                   git_cache: Path | None) -> GitScope:
+                   git_cache: Path | None, walked: StartWalk) -> GitScope:
         """The workspace's git state at the start, and what ``paths.forbidden_in_git`` makes
         of the secrets git holds anywhere (raises ForbiddenInGitError under "refuse"): every
         repository's whole store and every index (guardfs.githistory, the check guard check
@@ -136,7 +141,7 @@ class Session:
         policy = self.policy
         history = check_workspace(
             os.fspath(workspace), lambda p: policy.classify(p.rstrip("/"), p.endswith("/")).scope is Scope.FORBIDDEN,
-            manifest.paths.workspace_secrets, cache_dir=git_cache)
+            manifest.paths.workspace_secrets, cache_dir=git_cache, walked=walked)
         self.git_history = history
         if history.scans:
             cached = sum(1 for scan in history.scans if scan.cached)
