@@ -198,3 +198,32 @@ def test_one_walk_enters_another_filesystem_for_git_only(tmp_path: Path) -> None
     assert walked.links == {}
     assert walked.gits == gits == [("mnt/repo", str(ws / "mnt/repo/.git"), True)]
     assert set(walked.secrets) == secrets == {"mnt/.env"}
+
+
+def test_hide_git_decided_after_the_walk_forbids_what_a_walk_under_it_forbids(tmp_path: Path) -> None:
+    """The Session's policy hides git only once the walk told it where git's directories are:
+    the walk's links as that policy judges them (links_for, git's directories walked again) are
+    the links a walk under that policy finds from the top."""
+    ws = tmp_path / "ws"
+    _tree(ws)
+    env = git_env(tmp_path)
+    subprocess.run(["git", "init", "-q", str(ws)], check=True, env=env)
+    subprocess.run(["git", "init", "-q", "--separate-git-dir", str(ws / "gitdata"), str(ws / "sub")], check=True,
+                   env=env)
+    (ws / "vendor/deep").mkdir(parents=True)
+    os.link(ws / ".git/HEAD", ws / "vendor/HEAD.copy")  # cp -al of a git directory's file
+    os.link(ws / "gitdata/config", ws / "vendor/deep/config")  # of the separate git directory's
+    os.link(ws / "sub/.git", ws / "vendor/gitfile")  # of a gitfile
+    manifest = parse_manifest(CHECKOUT_MANIFEST)
+    first = PathPolicy(manifest)
+    hidden = PathPolicy(manifest, hide_git=True, git_dirs=["gitdata"])
+    backing = Backing(str(ws))
+    try:
+        fresh = forbidden_links(backing, hidden)
+    finally:
+        backing.close()
+    walked = walk_workspace(ws, first)
+    assert walked.links_for(first) == walked.links
+    assert walked.links_for(hidden) == fresh
+    assert {(ws / n).stat().st_ino for n in ("vendor/HEAD.copy", "vendor/deep/config", "vendor/gitfile")} \
+        <= set(fresh) - set(walked.links)
