@@ -46,7 +46,7 @@ from guardfs.decision import ERRNO_FORBIDDEN, ERRNO_READ_ONLY, Verdict
 from guardfs.errors import Exit, GuardError
 from guardfs.policy import Classification, PathPolicy, Scope, is_git_state
 
-__all__ = ["ForbiddenInGitError", "GitScope"]
+__all__ = ["ForbiddenInGitError", "GitScope", "GitStateError"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,12 @@ _REF_FILES = frozenset({"onto", "orig-head", "stopped-sha", "amend", "head", "ab
 # What a path holds in an index or a tree: () when absent, one (mode, sha) when staged,
 # several when a merge left it conflicted.
 _Value = tuple[tuple[int, bytes], ...]
+
+
+class GitStateError(GuardError):
+    """The workspace's git state at the start cannot be read: the run does not start."""
+
+    exit_code = Exit.DATAERR
 
 
 class ForbiddenInGitError(GuardError):
@@ -122,13 +128,19 @@ class GitScope:
             data = self._read(INDEX)
         except FileNotFoundError:
             data = None
-        if data is not None:
-            self._start_index = dict(_index_values(data))
         refs = self._loose_refs() | dict(self._packed_refs(PACKED_REFS))
         self._start_refs = set(refs.values())
         head = self._resolve_head(refs)
-        if head is not None:
-            self._head_tree = _tree_of(self._store(), head)
+        try:
+            if data is not None:
+                self._start_index = dict(_index_values(data))
+            if head is not None:
+                self._head_tree = _tree_of(self._store(), head)
+        except (AssertionError, ValueError) as err:  # dulwich's word for a format it does not read
+            raise GitStateError(
+                f"the workspace's git state (.git/index, HEAD) cannot be read ({err}); the guard judges every "
+                "update of git's index and refs against it, so the run does not start. A repository whose "
+                "objects are named with sha256 is not supported: run in a sha1 clone of it") from err
         self._named = set(self._start_refs)
         budget = _MAX_LOG_BYTES
         logs = [os.path.join(self._git, "FETCH_HEAD")] + [

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from guardfs.events import EventLog
-from guardfs.gitscope import ForbiddenInGitError
+from guardfs.gitscope import ForbiddenInGitError, GitStateError
 from guardfs.manifest import parse_manifest
 from sandbox.breaker.client import GuardClient
 from sandbox.session import Session
@@ -168,6 +168,11 @@ def test_the_walk_of_the_stores_finds_what_head_and_the_index_hold(tmp_path: Pat
     said = str(caught.value)
     if case == "sha256":
         assert "sha256" in said and "the guard cannot read git's history" in said, said
+        # "warn" runs with what git holds readable, but git's state must be read to judge it
+        warn = parse_manifest(FIX_TAX.replace("[paths]", '[paths]\nforbidden_in_git = "warn"'))
+        with pytest.raises(GitStateError) as state:
+            Session(warn, ws, EventLog(None))
+        assert "cannot be read" in str(state.value) and "sha1 clone" in str(state.value), state.value
         return
     assert "git holds secret path(s) .env" in said, said
     where = said.partition("where: .env: ")[2]
