@@ -20,7 +20,7 @@ import logging
 import os
 import resource
 import stat
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, ParamSpec, TypeVar
@@ -194,6 +194,7 @@ class GuardFS(pyfuse3.Operations):
         policy: PathPolicy | None = None,
         gitscope: GitScope | None = None,
         scratch_dir: Path | None = None,
+        links: Mapping[int, Classification] | None = None,
     ) -> None:
         """Serve *backing* under *manifest*; *state_text* renders ``.guard/STATE.md``;
         with *gitscope*, renames onto git's index and refs are judged for what they change;
@@ -204,7 +205,8 @@ class GuardFS(pyfuse3.Operations):
         never asks again (it skips the security.capability lookup it sends before every
         write), and applications get EOPNOTSUPP, as on a filesystem without them. With
         *scratch_dir*, generated output out of scope lands there (guardfs.scratch); without
-        it, it is refused quietly."""
+        it, it is refused quietly. *links*: the other names of forbidden files
+        (guardfs.links.forbidden_links, found by the caller's walk at start), else walked here."""
         super().__init__()
         self._scratch = None if scratch_dir is None else ScratchBacking(backing, scratch_dir)
         self.backing: Backing = self._scratch if self._scratch is not None else Backing(backing)
@@ -214,8 +216,9 @@ class GuardFS(pyfuse3.Operations):
         root = os.stat(self.backing.root_fd)
         self._root_dev = root.st_dev
         # One walk of the workspace, before the mount serves anything: the other names of
-        # forbidden files are forbidden too (guardfs.links).
-        self.inodes = InodeTable(self.policy, root.st_ino, forbidden_links(self.backing, self.policy))
+        # forbidden files are forbidden too (guardfs.links; the Session's walk, shared).
+        self.inodes = InodeTable(self.policy, root.st_ino,
+                                 links if links is not None else forbidden_links(self.backing, self.policy))
         self.accounting = accounting if accounting is not None else WriteAccounting()
         self.decider: Decider = decider or LimitsDecider(manifest.limits, self.accounting)
         self.events = events

@@ -56,6 +56,7 @@ from dulwich.index import read_index_dict
 
 from guardfs.gitguard import GITFILE_PREFIX, link_value
 from guardfs.harvest import walk
+from guardfs.links import StartWalk, walk_workspace
 
 __all__ = ["MAX_OBJECTS", "MAX_SECONDS", "Found", "HistoryTooLarge", "Repository", "Scan", "common_dir_of",
            "find_repositories", "resolve_gitfile", "scan_repository", "secret_files", "tail_spec"]
@@ -155,24 +156,20 @@ def _is_git_dir(path: str) -> bool:
     return os.path.isdir(os.path.join(path, "objects")) or os.path.isfile(os.path.join(path, "commondir"))
 
 
-def find_repositories(root: str) -> list[Repository]:
+def find_repositories(root: str, walked: StartWalk | None = None) -> list[Repository]:
     """Every repository whose files the workspace *root* holds or points at: each ``.git``
     (directory or gitfile) at any depth, and each submodule git directory kept below a
-    git directory (``modules/<name>``, checked out or not). Raises HistoryTooLarge past
+    git directory (``modules/<name>``, checked out or not). *walked*: the walk of the
+    workspace at start (guardfs.links), made here without. Raises HistoryTooLarge past
     :data:`MAX_REPOSITORIES`."""
     found: dict[str, Repository] = {}
     git_dirs: list[str] = []
-    root = os.path.abspath(root)
-    for dirpath, dirnames, filenames in walk(root):  # any depth: an agent may leave a deep tree
-        rel = os.path.relpath(dirpath, root)
-        prefix = "" if rel == "." else rel.replace(os.sep, "/")
-        if ".git" in dirnames:
-            git_dirs.append(os.path.join(dirpath, ".git"))
-            found.setdefault(os.path.join(dirpath, ".git"), Repository(prefix, os.path.join(dirpath, ".git"),
-                                                                          os.path.join(dirpath, ".git")))
-            dirnames.remove(".git")  # its insides are git's, looked at below
-        elif ".git" in filenames and (target := resolve_gitfile(os.path.join(dirpath, ".git"))) is not None \
-                and _is_git_dir(target):
+    walked = walked if walked is not None else walk_workspace(root)
+    for prefix, where, is_dir in walked.gits:  # any depth: an agent may leave a deep tree
+        if is_dir:
+            git_dirs.append(where)
+            found.setdefault(where, Repository(prefix, where, where))  # its insides are git's, looked at below
+        elif (target := resolve_gitfile(where)) is not None and _is_git_dir(target):
             found.setdefault(target, Repository(prefix, target, common_dir_of(target)))
         if len(found) > MAX_REPOSITORIES:
             raise HistoryTooLarge(f"more than {MAX_REPOSITORIES} git repositories in the workspace")
@@ -411,6 +408,11 @@ def _walk(repo: Repository, classify_path: _Secret, tails: pathspec.GitIgnoreSpe
     the nameless blobs, and the number of objects."""
     deadline = time.monotonic() + MAX_SECONDS
     common = repo.common_dir
+    # The walk reads SHA-1 names and tree entries: a SHA-256 store's would be misread, its
+    # secrets missed without a word (issue 22). Said instead: the run then fails closed.
+    kind = _git(common, "rev-parse", "--show-object-format", deadline=deadline).decode().strip()
+    if kind != "sha1":
+        raise ValueError(f"its objects are named with {kind}; the check reads sha1 stores only")
     objects = _count_objects(common, deadline)
     if objects > max_objects:
         raise HistoryTooLarge(f"{objects} objects (the guard walks at most {max_objects})")
@@ -569,17 +571,15 @@ def _blob_id(path: str) -> str | None:
     return digest.hexdigest()
 
 
-def secret_files(root: str, is_secret: _Secret) -> dict[str, str]:
+def secret_files(root: str, is_secret: _Secret, walked: StartWalk | None = None) -> dict[str, str]:
     """Git's blob id → workspace path, for each secret regular file of the workspace *root*
-    (git directories not entered)."""
+    (git directories not entered); *walked*: the walk of the workspace at start (its secrets
+    judged by its policy or *is_secret*), made here without."""
+    walked = walked if walked is not None else walk_workspace(root, is_secret=is_secret)
     out: dict[str, str] = {}
-    for dirpath, dirnames, filenames in walk(root):
-        dirnames[:] = [d for d in dirnames if d != ".git"]
-        rel = os.path.relpath(dirpath, root)
-        for name in filenames:
-            path = name if rel == "." else f"{rel}/{name}".replace(os.sep, "/")
-            if is_secret(path) and (blob := _blob_id(os.path.join(dirpath, name))) is not None:
-                out[blob] = path
+    for path in walked.secrets:
+        if (blob := _blob_id(os.path.join(walked.root, path))) is not None:
+            out[blob] = path
     return out
 
 
@@ -677,24 +677,26 @@ class WorkspaceScan:
 
 
 def check_workspace(root: str, is_secret: _Secret, patterns: list[str], *, cache_dir: Path | None = None,
-                    max_objects: int | None = None) -> WorkspaceScan:
+                    max_objects: int | None = None, walked: StartWalk | None = None) -> WorkspaceScan:
     """:func:`scan_repository` for every repository of the workspace *root*
     (:func:`find_repositories`), each store of at most *max_objects* (default
     :data:`MAX_OBJECTS`); a problem (too large, too slow, unreadable) is said in the
-    result, never raised."""
+    result, never raised. *walked*: the walk of the workspace at start (guardfs.links), its
+    secrets judged as *is_secret* judges a file; made here (once) without."""
     max_objects = MAX_OBJECTS if max_objects is None else max_objects
     out = WorkspaceScan()
     on_disk: dict[str, str] | None = None
+    walked = walked if walked is not None else walk_workspace(root, is_secret=is_secret)
 
     def secrets_on_disk() -> dict[str, str]:
         nonlocal on_disk
         if on_disk is None:
-            on_disk = secret_files(root, is_secret)
+            on_disk = secret_files(root, is_secret, walked)
         return on_disk
 
     where = "the workspace"
     try:
-        for repo in find_repositories(root):
+        for repo in find_repositories(root, walked):
             where = repo.label
             out.scans.append(scan_repository(repo, is_secret, patterns, cache_dir=cache_dir,
                                              max_objects=max_objects, secrets_on_disk=secrets_on_disk))

@@ -17,9 +17,9 @@ cannot change). Only the workspace's own ``.git`` directory is judged; the paths
 are the workspace's paths. The policy (``git_state_locked``) makes those files read-only to
 every other mutation, so the hook and the mount give one answer.
 
-At start the guard also lists the forbidden paths git tracks (in HEAD and the index):
-their contents are in git's object store, readable with ``git show`` whatever the mount
-refuses. ``paths.forbidden_in_git`` says what to do about them (see the manifest).
+Which secrets git already holds at the start (in HEAD, the index, or anywhere else in its
+stores) is not this module's: :mod:`guardfs.githistory` checks every store whole, and
+``paths.forbidden_in_git`` says what to do about what it finds (see the manifest).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from dulwich.diff_tree import tree_changes
 from dulwich.errors import NotTreeError
 from dulwich.index import ConflictedIndexEntry, IndexEntry, cleanup_mode, read_index_dict
-from dulwich.object_store import DiskObjectStore, iter_tree_contents, tree_lookup_path
+from dulwich.object_store import DiskObjectStore, tree_lookup_path
 from dulwich.objects import Commit, ObjectID, ShaFile, Tag, Tree
 from dulwich.refs import read_packed_refs_with_peeled
 
@@ -46,7 +46,7 @@ from guardfs.decision import ERRNO_FORBIDDEN, ERRNO_READ_ONLY, Verdict
 from guardfs.errors import Exit, GuardError
 from guardfs.policy import Classification, PathPolicy, Scope, is_git_state
 
-__all__ = ["ForbiddenInGitError", "GitScope"]
+__all__ = ["ForbiddenInGitError", "GitScope", "GitStateError"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,12 @@ _REF_FILES = frozenset({"onto", "orig-head", "stopped-sha", "amend", "head", "ab
 # What a path holds in an index or a tree: () when absent, one (mode, sha) when staged,
 # several when a merge left it conflicted.
 _Value = tuple[tuple[int, bytes], ...]
+
+
+class GitStateError(GuardError):
+    """The workspace's git state at the start cannot be read: the run does not start."""
+
+    exit_code = Exit.DATAERR
 
 
 class ForbiddenInGitError(GuardError):
@@ -106,7 +112,6 @@ class GitScope:
         # Commits a new reflog line or FETCH_HEAD may name without a check: those the
         # reflogs and FETCH_HEAD named at the start, and those already judged in scope.
         self._named: set[bytes] = set()
-        self.tracked_forbidden: list[str] = []
         if os.path.isdir(self._git):
             self._snapshot()
 
@@ -123,20 +128,19 @@ class GitScope:
             data = self._read(INDEX)
         except FileNotFoundError:
             data = None
-        if data is not None:
-            self._start_index = dict(_index_values(data))
         refs = self._loose_refs() | dict(self._packed_refs(PACKED_REFS))
         self._start_refs = set(refs.values())
         head = self._resolve_head(refs)
-        store = self._store()
-        if head is not None:
-            self._head_tree = _tree_of(store, head)
-        tracked = set(self._start_index)
-        if self._head_tree is not None:
-            tracked.update(os.fsdecode(e.path) for e in iter_tree_contents(store, self._head_tree) if e.path)
-        self.tracked_forbidden = sorted(
-            p for p in tracked if self.policy.classify(p, False).scope is Scope.FORBIDDEN
-        )
+        try:
+            if data is not None:
+                self._start_index = dict(_index_values(data))
+            if head is not None:
+                self._head_tree = _tree_of(self._store(), head)
+        except (AssertionError, ValueError) as err:  # dulwich's word for a format it does not read
+            raise GitStateError(
+                f"the workspace's git state (.git/index, HEAD) cannot be read ({err}); the guard judges every "
+                "update of git's index and refs against it, so the run does not start. A repository whose "
+                "objects are named with sha256 is not supported: run in a sha1 clone of it") from err
         self._named = set(self._start_refs)
         budget = _MAX_LOG_BYTES
         logs = [os.path.join(self._git, "FETCH_HEAD")] + [

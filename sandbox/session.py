@@ -27,6 +27,7 @@ from guardfs.events import EventLog, printable
 from guardfs.fs import GuardFS
 from guardfs.githistory import WorkspaceScan, check_workspace
 from guardfs.gitscope import ForbiddenInGitError, GitScope
+from guardfs.links import StartWalk, walk_workspace
 from guardfs.manifest import Manifest
 from guardfs.policy import PathPolicy, Scope, read_gitignore
 from sandbox.breaker import Breaker, Effect, Effects
@@ -98,7 +99,10 @@ class Session:
         #: Git directories outside the workspace the sandbox must mask ("hide-git").
         self.git_masks: list[str] = []
         self.git_history = WorkspaceScan()
-        self.gitscope = self._git_scope(manifest, workspace, git_cache)
+        # The one walk of the workspace at start (guardfs.links): the other names of forbidden
+        # files, and for the check of git's history where each .git is and which files are secrets.
+        walked = walk_workspace(workspace, self.policy)
+        self.gitscope = self._git_scope(manifest, workspace, git_cache, walked)
         self.accounting = WriteAccounting(committed=self.gitscope.committed_version)
         self._breaker: Breaker | None = None
         if run_dir is not None:
@@ -115,6 +119,7 @@ class Session:
             gitscope=self.gitscope,
             # Generated output out of scope (caches, bytecode) lands here, never in the workspace.
             scratch_dir=run_dir / "scratch" if run_dir is not None else None,
+            links=walked.links_for(self.policy),  # the run's policy: "hide-git" forbids git's files too
         )
         self._daemon: Daemon | None = None
         if self._breaker is not None and run_dir is not None:
@@ -127,16 +132,16 @@ class Session:
         self._prepared = False
 
     def _git_scope(self, manifest: Manifest, workspace: str | os.PathLike[str],
-                   git_cache: Path | None) -> GitScope:
+                   git_cache: Path | None, walked: StartWalk) -> GitScope:
         """The workspace's git state at the start, and what ``paths.forbidden_in_git`` makes
-        of the secrets git holds anywhere (raises ForbiddenInGitError under "refuse"): in
-        HEAD and the index, and in every repository's whole store (guardfs.githistory). Only
-        secrets: git may track protected paths (they are readable anyway)."""
-        scope = GitScope(workspace, self.policy)
+        of the secrets git holds anywhere (raises ForbiddenInGitError under "refuse"): every
+        repository's whole store and every index (guardfs.githistory, the check guard check
+        makes: HEAD's tree is walked as every commit's is, the index is read as every index
+        is). Only secrets: git may track protected paths (they are readable anyway)."""
         policy = self.policy
         history = check_workspace(
             os.fspath(workspace), lambda p: policy.classify(p.rstrip("/"), p.endswith("/")).scope is Scope.FORBIDDEN,
-            manifest.paths.workspace_secrets, cache_dir=git_cache)
+            manifest.paths.workspace_secrets, cache_dir=git_cache, walked=walked)
         self.git_history = history
         if history.scans:
             cached = sum(1 for scan in history.scans if scan.cached)
@@ -145,16 +150,15 @@ class Session:
                 f"{'y' if len(history.scans) == 1 else 'ies'}, {sum(x.objects for x in history.scans)} objects, "
                 f"{sum(x.seconds for x in history.scans):.1f} s"
                 + (f" ({cached} from the cache of {git_cache})" if cached else ""))
-        where: dict[str, list[str]] = {p: ["HEAD or the index"] for p in scope.tracked_forbidden}
+        where: dict[str, list[str]] = {}
         for repo, found in history.found:
             where.setdefault(found.path, []).extend(
                 w if repo.prefix == "" else f"{w} in {repo.label}" for w in found.where)
         inside, outside = history.git_dirs(os.fspath(workspace))
         if inside:  # read-only (guardfs.policy); forbidden under "hide-git" below
             self.policy = self._policy_with(manifest, hide_git=False, git_dirs=inside)
-            scope.policy = self.policy
         if not where and history.problem is None:
-            return scope
+            return GitScope(workspace, self.policy)
         tracked = sorted(where)
         mode = manifest.paths.forbidden_in_git
         shown = ", ".join(tracked[:20]) + (f" and {len(tracked) - 20} more" if len(tracked) > 20 else "")
@@ -166,7 +170,6 @@ class Session:
                    "reflog, stash or unreachable object `git stash clear`, then `git reflog expire "
                    f"--expire-unreachable=now --all && git gc --prune=now`), or {modes}")
         if mode == "refuse":
-            scope.close()
             if not where:
                 raise ForbiddenInGitError(
                     f"{history.problem}: a secret in it would be readable through git whatever the mount "
@@ -181,13 +184,12 @@ class Session:
         if mode == "hide-git":
             self.policy = self._policy_with(manifest, hide_git=True, git_dirs=inside, masked=outside)
             self.git_masks = outside
-            scope.policy = self.policy
             self.notices.append(f"{said}: every git directory is forbidden to the agent "
                                 "in this run (paths.forbidden_in_git = \"hide-git\"); git does not work here")
         else:
             self.notices.append(f"WARNING: {said}: their contents ARE readable "
                                 "through git's object store in this run (paths.forbidden_in_git = \"warn\")")
-        return scope
+        return GitScope(workspace, self.policy)
 
     def _policy_with(self, manifest: Manifest, *, hide_git: bool, git_dirs: list[str],
                      masked: list[str] | None = None) -> PathPolicy:

@@ -1,5 +1,6 @@
 """Fixtures: a guarded mount (see tests/mounts.py) and the session-wide check that no
-mount and no process is left behind; how the suite is ordered and split under pytest-xdist."""
+mount and no process is left behind; how the suite is ordered and split under pytest-xdist;
+earlier sessions' basetemps removed before pytest's own removal can fail on them (tests/basetemp.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from .basetemp import pytest_configure as _remove_old_basetemps
 from .mounts import Guarded, guarded_mount
 
 #: The guardfs mounts that were there when the session (the controller, under xdist) began.
@@ -79,6 +81,13 @@ def _is_xdist_worker(config: pytest.Config) -> bool:
 
 def _is_xdist_controller(config: pytest.Config) -> bool:
     return config.pluginmanager.has_plugin("dsession")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Before pytest makes its basetemp: the earlier sessions' basetemps it is about to remove,
+    removed first (tests/basetemp.py: a deep tree a failed run left made pytest's own removal
+    fail the session)."""
+    _remove_old_basetemps(config)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

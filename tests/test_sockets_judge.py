@@ -182,3 +182,46 @@ def test_the_agent_does_not_start_when_the_guard_does_not_take_the_filter(tmp_pa
     assert proc.returncode == 69 and "agent started" not in proc.stdout, (proc.stdout, proc.stderr)
     assert "refusing to start the agent: the guard's seccomp filter is not in place" in proc.stderr
     assert "--no-isolation" in proc.stderr
+
+
+@pytest.mark.root
+def test_the_callers_credentials_are_read_afresh_at_each_connect() -> None:
+    """What a root guard takes on for a connect (sockets._status_ids): the ids and groups the
+    caller itself reports, a list of groups that ends past the first 4 KiB of its status read
+    on, and a change of credentials between two connects seen at the second (nothing cached)."""
+    from sandbox.launch.sockets import _pidfd, _status_ids
+
+    groups = list(range(100_000, 103_000))  # "Groups:" alone about 21 KiB
+    script = textwrap.dedent(f"""
+        import os, sys
+        def say():
+            print(os.geteuid(), os.getegid(), *os.getgroups(), flush=True)
+            sys.stdin.readline()
+        os.setgroups({groups!r})
+        os.setresgid(4321, 4321, 0)
+        os.setresuid(1234, 1234, 0)  # the saved uid stays 0: the way back is open
+        say()
+        os.seteuid(0)
+        os.setgroups([7])
+        os.setresgid(77, 77, 0)
+        os.setresuid(-1, 55, -1)
+        say()
+        """)
+    with subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as child:
+        assert child.stdout is not None and child.stdin is not None
+        try:
+            said = [int(w) for w in child.stdout.readline().split()]
+            assert said[:2] == [1234, 4321] and sorted(said[2:]) == groups
+            uid, gid, got = _status_ids(child.pid)
+            assert (uid, gid, sorted(got)) == (1234, 4321, groups)
+            child.stdin.write("\n")
+            child.stdin.flush()
+            assert [int(w) for w in child.stdout.readline().split()] == [55, 77, 7]
+            assert _status_ids(child.pid) == (55, 77, [7])
+            os.close(_pidfd(child.pid))  # the thread's pidfd, or its process's: either opens
+            child.stdin.write("\n")
+            child.stdin.flush()
+            assert child.wait(30) == 0
+        finally:
+            child.kill()

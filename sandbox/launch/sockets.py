@@ -317,9 +317,8 @@ def _pidfd(tid: int) -> int:
     except OSError as err:
         if err.errno != errno.EINVAL:
             raise
-    with open(f"/proc/{tid}/status", encoding="ascii", errors="replace") as status:
-        tgid = next((int(line.split()[1]) for line in status if line.startswith("Tgid:")), tid)
-    return os.pidfd_open(tgid)
+    tgid = _status_lines(tid, b"Tgid").get(b"Tgid")
+    return os.pidfd_open(int(tgid) if tgid else tid)
 
 
 def _connect(sock: socket.socket, address: bytes) -> int:
@@ -352,21 +351,49 @@ def _caller_view(tid: int):  # type: ignore[no-untyped-def]
             os.close(cwd_fd)
 
 
+def _status_lines(tid: int, *keys: bytes) -> dict[bytes, bytes]:
+    """The values of lines *keys* of ``/proc/<tid>/status`` (those found), in one read as a
+    rule: the kernel writes the whole file at the first read, whose 4 KiB hold the lines
+    asked for here (Tgid, Uid, Gid, Groups come first), read on only when the last asked ends
+    past it (thousands of groups). Bytes, never decoded: on every connect of a root guard."""
+    fd = os.open(f"/proc/{tid}/status", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = b"\n" + os.read(fd, 4096)
+        while True:
+            found: dict[bytes, bytes] = {}
+            for key in keys:
+                start = data.find(b"\n" + key + b":")
+                end = data.find(b"\n", start + 1) if start >= 0 else -1
+                if end < 0:
+                    break
+                found[key] = data[start + len(key) + 2:end].strip()
+            else:
+                return found
+            more = os.read(fd, 1 << 16)
+            if not more:  # the end of the file: what is there is all there is
+                return found
+            data += more
+    finally:
+        os.close(fd)
+
+
 def _status_ids(tid: int) -> tuple[int, int, list[int]]:
-    """The effective uid and gid and the groups of thread *tid*, as our namespace sees them."""
-    uid = gid = -1
-    groups: list[int] = []
-    with open(f"/proc/{tid}/status", encoding="ascii", errors="replace") as status:
-        for line in status:
-            key, _, value = line.partition(":")
-            if key == "Uid":
-                uid = int(value.split()[1])
-            elif key == "Gid":
-                gid = int(value.split()[1])
-            elif key == "Groups":
-                groups = [int(g) for g in value.split()]
-    if uid < 0 or gid < 0:
-        raise OSError(errno.ESRCH, "the caller's credentials could not be read")
+    """The effective uid and gid and the groups of thread *tid*, as our namespace sees them.
+
+    Read afresh for every connect, never cached by thread: a thread changes its own
+    credentials between two connects (``setresuid``, ``setgroups``, ``capset``; glibc's
+    ``setuid`` has every thread do it), and nothing the kernel shows changes with them more
+    cheaply than this file (the owner of ``/proc/<tid>`` is the effective ids only while the
+    task is dumpable, and never says the groups). While the caller waits in this connect
+    they cannot change (only a thread changes its own credentials, and one stopped in a
+    system call runs nothing: under WAIT_KILLABLE_RECV, sandbox.launch.seccomp, even glibc's
+    signal that has it change them waits for the answer), so this read is exact."""
+    lines = _status_lines(tid, b"Uid", b"Gid", b"Groups")
+    try:
+        uid, gid = int(lines[b"Uid"].split()[1]), int(lines[b"Gid"].split()[1])
+        groups = [int(g) for g in lines[b"Groups"].split()]
+    except (KeyError, IndexError, ValueError) as err:
+        raise OSError(errno.ESRCH, "the caller's credentials could not be read") from err
     return uid, gid, groups
 
 
