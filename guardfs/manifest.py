@@ -273,7 +273,8 @@ class Paths(_Strict):
     forbidden_in_git: Literal["refuse", "hide-git", "warn"] = Field(
         default="refuse",
         description=(
-            "What guard does when git tracks a secret (in HEAD or the index) at start (protected "
+            "What guard does when git's stores hold a secret at start (in any commit, the index, a "
+            "stash, a reflog or an unreachable object of any repository in the workspace; protected "
             "paths may be tracked): "
             "its content is then readable through git's object store (git show HEAD:.env) "
             "whatever the mount refuses. 'refuse' (the default): do not start, naming them. "
