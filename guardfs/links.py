@@ -86,6 +86,16 @@ def forbidden_links(backing: Backing, policy: PathPolicy) -> dict[int, Classific
     return walk_workspace(backing.root, policy, history=False, root_fd=backing.root_fd).links_for(policy)
 
 
+
+def forbidden_inodes(root: str | os.PathLike[str], policy: PathPolicy) -> set[int]:
+    """The inodes of :func:`forbidden_links` under *root*, for a caller with no walk of its own
+    (the planners of lanes and native trees, when no session walked the workspace at start)."""
+    backing = Backing(os.fspath(root))
+    try:
+        return set(forbidden_links(backing, policy))
+    finally:
+        backing.close()
+
 @dataclass
 class StartWalk:
     """What the one walk of the workspace at start found (:func:`walk_workspace`)."""

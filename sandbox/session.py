@@ -103,6 +103,10 @@ class Session:
         # files, and for the check of git's history where each .git is and which files are secrets.
         walked = walk_workspace(workspace, self.policy)
         self.gitscope = self._git_scope(manifest, workspace, git_cache, walked)
+        #: Inode → verdict of the forbidden files with other names, under the run's policy ("hide-git"
+        #: forbids git's files too): the mount judges them by inode, and run's planners of lanes and
+        #: native trees take the same list rather than walking the workspace again.
+        self.forbidden_links = walked.links_for(self.policy)
         self.accounting = WriteAccounting(committed=self.gitscope.committed_version)
         self._breaker: Breaker | None = None
         if run_dir is not None:
@@ -119,7 +123,7 @@ class Session:
             gitscope=self.gitscope,
             # Generated output out of scope (caches, bytecode) lands here, never in the workspace.
             scratch_dir=run_dir / "scratch" if run_dir is not None else None,
-            links=walked.links_for(self.policy),  # the run's policy: "hide-git" forbids git's files too
+            links=self.forbidden_links,
         )
         self._daemon: Daemon | None = None
         if self._breaker is not None and run_dir is not None:

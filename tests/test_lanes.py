@@ -22,6 +22,7 @@ from guardfs.policy import PathPolicy
 from sandbox.launch import lanes
 from sandbox.launch.lanes import LaneStage, plan_lanes
 from sandbox.launch.run import RunOptions, _fast_lanes
+from sandbox.session import Session
 
 from .helpers import snapshot, wait_for
 from .test_run import guard_run
@@ -92,6 +93,26 @@ def test_a_hard_link_of_a_forbidden_file_keeps_its_directory_behind_the_mount(tm
     assert not any(t in ("vendor", "vendor/lib") for t in lanes.trees)
     assert any("vendor: it holds another name (a hard link) of a forbidden file" in r for r in lanes.skipped)
 
+
+
+def test_the_planner_takes_the_links_the_session_found_rather_than_walking_again(tmp_path: Path) -> None:
+    """guard run hands the planner the inodes its session's walk at start found: the planner
+    judges by those (an empty list taints nothing), and the session's own list equals a walk."""
+    ws = tree(tmp_path / "ws")
+    (ws / "vendor/lib/deep").mkdir()
+    os.link(ws / ".env", ws / "vendor/lib/env_hl")
+    manifest = parse_manifest(LANES)
+    untainted = plan_lanes(manifest, ws, links=set())
+    assert "vendor" in untainted.trees and not any("hard link" in r for r in untainted.skipped)
+    session = Session(manifest, ws, EventLog(None))
+    try:
+        assert set(session.forbidden_links) == {(ws / ".env").stat().st_ino}
+        given = plan_lanes(manifest, ws, policy=session.policy, links=session.forbidden_links)
+    finally:
+        session.close()
+    walked = plan_lanes(manifest, ws, policy=session.policy)
+    assert (given.trees, given.skipped) == (walked.trees, walked.skipped)
+    assert any("vendor: it holds another name (a hard link) of a forbidden file" in r for r in given.skipped)
 
 PATTERNS = ["a", "docs", ".env*", "*.pem", "d*", "?ocs", "**", "*", "[ds]ocs", "sec"]
 

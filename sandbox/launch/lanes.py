@@ -39,13 +39,13 @@ import enum
 import fnmatch
 import os
 import stat
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pathspec
 
-from guardfs.backing import Backing
-from guardfs.links import forbidden_links
+from guardfs.links import forbidden_inodes
 from guardfs.manifest import Manifest
 from guardfs.policy import GUARD_DIR, PathPolicy, Scope
 from sandbox.launch.isolation import bind_read_only, unbind
@@ -159,11 +159,12 @@ def _out_of_scope(root: Path, anchors: list[str], policy: PathPolicy, dev: int) 
 
 
 def plan_lanes(manifest: Manifest, workspace: Path, max_lanes: int = MAX_LANES, *,
-               policy: PathPolicy | None = None) -> Lanes:
+               policy: PathPolicy | None = None, links: Collection[int] | None = None) -> Lanes:
     """The fast lanes of *workspace* under *manifest*: directories no forbidden pattern can reach.
 
     *policy* is the mount's (``hide-git`` included: a lane must hide what the mount hides;
-    default: the manifest's alone)."""
+    default: the manifest's alone). *links*: the inodes of the forbidden files with other names
+    the session's walk at start found under that policy (default: walk for them here)."""
     lanes = Lanes()
     policy = policy if policy is not None else PathPolicy(manifest)
     root = workspace.resolve()
@@ -206,7 +207,7 @@ def plan_lanes(manifest: Manifest, workspace: Path, max_lanes: int = MAX_LANES, 
     candidates = _unreached(candidates, keyed, policy, lanes)
     if not candidates:
         return lanes
-    tainted = _hard_link_dirs(root, policy, candidates)
+    tainted = _hard_link_dirs(root, policy, candidates, links)
     for tree in sorted(candidates):
         trees = _split(root, tree, patterns, tainted, dev, max_lanes, policy)
         if trees is None:
@@ -270,15 +271,12 @@ def _split(root: Path, tree: str, patterns: list[str], tainted: set[str], dev: i
     return sorted(out)
 
 
-def _hard_link_dirs(root: Path, policy: PathPolicy, trees: list[str]) -> set[str]:
+def _hard_link_dirs(root: Path, policy: PathPolicy, trees: list[str],
+                    links: Collection[int] | None = None) -> set[str]:
     """The directories (and their ancestors) under *trees* that hold another name of a file
     forbidden by name (with ``hide-git``, git's objects among them, also those of a masked
     git directory outside the workspace): the mount refuses it under any name, a lane would not."""
-    backing = Backing(str(root))
-    try:
-        inodes = set(forbidden_links(backing, policy))
-    finally:
-        backing.close()
+    inodes = set(links) if links is not None else forbidden_inodes(root, policy)
     out: set[str] = set()
     if not inodes:
         return out

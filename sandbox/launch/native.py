@@ -40,16 +40,16 @@ import errno
 import logging
 import os
 import stat
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pathspec
 
 from guardfs import harvest
-from guardfs.backing import Backing
 from guardfs.decision import Verdict
 from guardfs.harvest import walk
-from guardfs.links import forbidden_links
+from guardfs.links import forbidden_inodes
 from guardfs.manifest import Manifest
 from guardfs.policy import GENERATED_RULE, GUARD_DIR, PathPolicy, Scope
 from sandbox.launch.lanes import StagedTrees
@@ -189,10 +189,11 @@ def _could_be_under(pattern: str, path: str) -> bool:
 
 
 def plan_native(manifest: Manifest, workspace: Path, max_masks: int = MAX_MASKS,
-                policy: PathPolicy | None = None) -> NativeTrees:
+                policy: PathPolicy | None = None, links: Collection[int] | None = None) -> NativeTrees:
     """The native generated trees of *workspace* under *manifest*, with their masks; *policy* is
     the mount's (``hide-git`` included: a git directory inside a tree, and a hard link of one of
-    its files, are masked as the mount hides them)."""
+    its files, are masked as the mount hides them). *links*: the inodes of the forbidden files
+    with other names the session's walk at start found under that policy (default: walk here)."""
     root = workspace.resolve()
     planner = _Planner(manifest, root, policy)
     out = planner.out
@@ -211,7 +212,7 @@ def plan_native(manifest: Manifest, workspace: Path, max_masks: int = MAX_MASKS,
         candidates += [p for p in planner.find(names) if planner.judge(p)]
     # Another name of a file forbidden by name (a hard link made before the run) is forbidden
     # too (guardfs.links): the mount judges it by inode, a bind would show it.
-    inodes = _forbidden_inodes(root, planner.policy) if candidates else set()
+    inodes = (set(links) if links is not None else forbidden_inodes(root, planner.policy)) if candidates else set()
     for tree in sorted(set(candidates)):
         if any(tree.startswith(c + "/") for c in candidates):
             continue  # inside another native tree
@@ -387,15 +388,6 @@ def _symlinked_parent(root: Path, path: str) -> str | None:
         if (root / "/".join(parts[:i])).is_symlink():
             return "/".join(parts[:i])
     return None
-
-
-def _forbidden_inodes(root: Path, policy: PathPolicy) -> set[int]:
-    """Inodes of the files forbidden by name that have other names (guardfs.links)."""
-    backing = Backing(str(root))
-    try:
-        return set(forbidden_links(backing, policy))
-    finally:
-        backing.close()
 
 
 def _masks(root: Path, tree: str, manifest: Manifest, limit: int,

@@ -602,7 +602,8 @@ def _fast_lanes(opts: RunOptions, bwrap: str | None, stage: LaneStage, events: E
         _say("fast lanes are off: they need the sandbox (not --no-isolation)")
         return []
     try:
-        lanes = plan_lanes(opts.manifest, opts.workspace, policy=session.policy if session else None)
+        lanes = plan_lanes(opts.manifest, opts.workspace, policy=session.policy if session else None,
+                           links=session.forbidden_links if session else None)
         argv = stage.bwrap_args(lanes, opts.workspace.resolve(), str(opts.workspace), staged=opts.user is not None)
     except OSError as err:  # a speed-up only: without it everything goes through the mount
         stage.cleanup()
@@ -625,7 +626,8 @@ def _native_generated(opts: RunOptions, bwrap: str | None, stage: NativeStage, e
     if not opts.manifest.sandbox.native_generated or bwrap is None:
         return [], []  # without the sandbox, nothing is bound: every path goes through the mount
     try:
-        native = plan_native(opts.manifest, opts.workspace, policy=session.policy if session else None)
+        native = plan_native(opts.manifest, opts.workspace, policy=session.policy if session else None,
+                             links=session.forbidden_links if session else None)
         argv = stage.bwrap_args(native, opts.workspace.resolve(), str(opts.workspace), staged=opts.user is not None)
     except OSError as err:  # a speed-up only: without it the trees go through the mount
         stage.cleanup()
