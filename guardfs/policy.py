@@ -11,6 +11,7 @@ import enum
 import errno
 import logging
 import os
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,6 +56,9 @@ _MANIFEST_RULE = f"built-in: a manifest ({DEFAULT_MANIFEST}, in any directory) i
 _STAND_IN = "\x01guard-generated-tree\x01"
 # Paths whose verdicts PathPolicy keeps at most (about 200 bytes each).
 _MEMO_MAX = 1 << 16
+#: The name an atomic save gives its temporary beside the file it replaces: ``NAME.tmp.SUFFIX``
+#: (Claude Code's Write and Edit use ``NAME.tmp.<pid>.<random>``; write-file-atomic and others alike).
+_SAVE_TEMPORARY = re.compile(r"(?P<target>[^/]+)\.tmp\.[A-Za-z0-9_.-]+")
 _SEPARATE_GIT_DIR_RULE = ("built-in: a git directory a gitfile names under another name than .git (git's "
                           "updates there are not judged, so it is read-only)")
 
@@ -465,6 +469,16 @@ class PathPolicy:
             # A parent of a literal allowed directory: creating it is how the allowed one
             # comes to exist. It counts as a directory, so not toward the blast radius.
             return Classification(Scope.ALLOWED, "paths.allowed (parent directory)")
+        head, _, name = path.rpartition("/")
+        if not is_dir and (save := _SAVE_TEMPORARY.fullmatch(name)) is not None:
+            # The temporary of an atomic save of an allowed file, beside it: with a file allowed
+            # by name (`--allow src/tax.py`), the agent's editor could not save it otherwise.
+            # It is a file of the task like its target (counted, rolled back) until the rename
+            # over the target makes it that file's rewrite (guardfs.rename).
+            target = f"{head}/{save['target']}" if head else save["target"]
+            where = self.classify(target, False)
+            if where.scope is Scope.ALLOWED and where.key == "paths.allowed":
+                return Classification(Scope.ALLOWED, "paths.allowed (an atomic save's temporary)", where.pattern)
         return Classification(Scope.OUT_OF_SCOPE, "not in paths.allowed")
 
     def git_state_update(self, path: str) -> Classification:
@@ -525,7 +539,8 @@ class PathPolicy:
             *(f"  {p}" for p in m.paths.generated or ["(none)"]),
             *([f"  and the {len(self.gitignore)} pattern(s) of .gitignore"]
               if m.paths.generated_from_gitignore else []),
-            "allowed (writes land here, counted; elsewhere EROFS):",
+            "allowed (writes land here, counted; elsewhere EROFS; an allowed file's NAME.tmp.* beside it too,",
+            "  the temporary of an editor's atomic save):",
             *(f"  {p}" for p in m.paths.allowed or ["(none: read-only workspace)"]),
             "limits:",
         ]
