@@ -666,11 +666,17 @@ def _git_masks(opts: RunOptions, git_dirs: Sequence[str]) -> list[str]:
 
 
 def _extra_writable(opts: RunOptions) -> list[Path]:
-    out = []
+    """``[sandbox] writable``'s directories that exist; the start banner names the others, skipped
+    (a cache the agent's tool would make, like ``~/.npm``, stays read-only until it exists)."""
+    out: list[Path] = []
+    missing: list[Path] = []
     for entry in opts.manifest.sandbox.writable:
         path = Path(os.path.expanduser(entry))
-        if path.exists():
-            out.append(path)
+        (out if path.exists() else missing).append(path)
+    if missing:
+        names = printable(" ".join(map(str, missing)))
+        _say(f"[sandbox] writable names what does not exist, so the agent cannot write there in this run: {names} "
+             f"(create it before the run: mkdir -p {names})")
     return out
 
 
