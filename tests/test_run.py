@@ -231,6 +231,10 @@ def test_interactive_program_works_through_a_pty(tmp_path: Path) -> None:
     child.close()
     assert child.exitstatus == 0
     assert "hello, agent" in (run_dir / "stdout.log").read_text()
+    # The guard's files in the run directory are 0600, the empty stderr.log of a pty run too.
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in run_dir.iterdir() if p.is_file()}
+    assert set(modes) >= {"stdout.log", "stderr.log", "events.jsonl", "ledger.json"}
+    assert all(mode == 0o600 for mode in modes.values()), modes
 
 
 @pytest.mark.root

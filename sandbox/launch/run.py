@@ -704,7 +704,7 @@ async def _run_agent(
                                                pass_fds=fds)
                 finally:
                     os.close(slave)
-                (logs / "stderr.log").touch()
+                (logs / "stderr.log").touch(mode=0o600)  # as the recorder makes stdout.log
                 nursery.start_soon(_pump_fd, master, outcome.recorder(logs / "stdout.log", echo, cap), daemon,
                                    _Lines(opts.agent, daemon))
                 nursery.start_soon(_forward_stdin, master)
