@@ -243,6 +243,12 @@ FILES = PathPolicy(parse_manifest(
         # A secret's or a protected file's temporary stays what it was.
         (".env.tmp.1.a", Scope.FORBIDDEN, "paths.secret", ".env*"),
         ("docs/conf.py.tmp.1.a", Scope.ALLOWED, "paths.allowed", "docs/"),
+        # sed -i's sedXXXXXX: beside a file allowed by its path only (setup.cfg matches at any depth).
+        ("src/attr/sedSHg9OE", Scope.ALLOWED, SAVE, "src/attr/validators.py"),
+        ("src/sedSHg9OE", Scope.OUT_OF_SCOPE, "not in paths.allowed", None),
+        ("sedSHg9OE", Scope.OUT_OF_SCOPE, "not in paths.allowed", None),
+        ("src/attr/sedSHg9OEx", Scope.OUT_OF_SCOPE, "not in paths.allowed", None),
+        ("src/attr/sed-Hg9OE", Scope.OUT_OF_SCOPE, "not in paths.allowed", None),
     ],
 )
 def test_an_atomic_saves_temporary_beside_an_allowed_file_is_allowed(
@@ -256,6 +262,7 @@ def test_an_atomic_saves_temporary_beside_an_allowed_file_is_allowed(
 
 def test_a_directory_named_like_a_save_temporary_is_not_one() -> None:
     assert FILES.classify("setup.cfg.tmp.1.a", True).scope is Scope.OUT_OF_SCOPE
+    assert FILES.classify("src/attr/sedSHg9OE", True).scope is Scope.OUT_OF_SCOPE
 
 
 def test_allowed_stops_at_a_generated_tree_it_does_not_cover() -> None:
