@@ -11,6 +11,7 @@ import enum
 import errno
 import logging
 import os
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,6 +56,12 @@ _MANIFEST_RULE = f"built-in: a manifest ({DEFAULT_MANIFEST}, in any directory) i
 _STAND_IN = "\x01guard-generated-tree\x01"
 # Paths whose verdicts PathPolicy keeps at most (about 200 bytes each).
 _MEMO_MAX = 1 << 16
+#: The name an atomic save gives its temporary beside the file it replaces: ``NAME.tmp.SUFFIX``
+#: (Claude Code's Write and Edit use ``NAME.tmp.<pid>.<random>``; write-file-atomic and others alike).
+_SAVE_TEMPORARY = re.compile(r"(?P<target>[^/]+)\.tmp\.[A-Za-z0-9_.-]+")
+#: GNU sed -i's temporary, made by mkstemp("sedXXXXXX") in the edited file's directory.
+_SED_TEMPORARY = re.compile(r"sed[A-Za-z0-9]{6}")
+_SAVE_RULE = "paths.allowed (an atomic save's temporary)"
 _SEPARATE_GIT_DIR_RULE = ("built-in: a git directory a gitfile names under another name than .git (git's "
                           "updates there are not judged, so it is read-only)")
 
@@ -266,6 +273,7 @@ class PathPolicy:
         self._allowed = _Rules([("paths.allowed", p) for p in paths.allowed])
         self._git_writable = paths.git_internals == "writable"
         self._mkdir_ancestors = _literal_ancestors(paths.allowed)
+        self._file_dirs = _literal_file_dirs(paths.allowed)
         self._generated = pathspec.GitIgnoreSpec.from_lines(paths.generated)
         #: The .gitignore patterns treated as generated (paths.generated_from_gitignore).
         self.gitignore = list(gitignore) if paths.generated_from_gitignore else []
@@ -465,6 +473,20 @@ class PathPolicy:
             # A parent of a literal allowed directory: creating it is how the allowed one
             # comes to exist. It counts as a directory, so not toward the blast radius.
             return Classification(Scope.ALLOWED, "paths.allowed (parent directory)")
+        head, _, name = path.rpartition("/")
+        if not is_dir and (save := _SAVE_TEMPORARY.fullmatch(name)) is not None:
+            # The temporary of an atomic save of an allowed file, beside it: with a file allowed
+            # by name (`--allow src/tax.py`), the agent's editor could not save it otherwise.
+            # It is a file of the task like its target (counted, rolled back) until the rename
+            # over the target makes it that file's rewrite (guardfs.rename).
+            target = f"{head}/{save['target']}" if head else save["target"]
+            where = self.classify(target, False)
+            if where.scope is Scope.ALLOWED and where.key == "paths.allowed":
+                return Classification(Scope.ALLOWED, _SAVE_RULE, where.pattern)
+        if not is_dir and head in self._file_dirs and _SED_TEMPORARY.fullmatch(name):
+            # sed -i's temporary names no file: it is allowed only beside a file allowed by its
+            # literal path, where sed -i of that file makes it (one name, renamed over the file).
+            return Classification(Scope.ALLOWED, _SAVE_RULE, self._file_dirs[head])
         return Classification(Scope.OUT_OF_SCOPE, "not in paths.allowed")
 
     def git_state_update(self, path: str) -> Classification:
@@ -525,7 +547,8 @@ class PathPolicy:
             *(f"  {p}" for p in m.paths.generated or ["(none)"]),
             *([f"  and the {len(self.gitignore)} pattern(s) of .gitignore"]
               if m.paths.generated_from_gitignore else []),
-            "allowed (writes land here, counted; elsewhere EROFS):",
+            "allowed (writes land here, counted; elsewhere EROFS; beside a file allowed by name, the temporary",
+            "  of an atomic save of it too: NAME.tmp.*, and sed -i's sedXXXXXX beside a file allowed by its path):",
             *(f"  {p}" for p in m.paths.allowed or ["(none: read-only workspace)"]),
             "limits:",
         ]
@@ -542,6 +565,21 @@ class PathPolicy:
 
 #: GIT_CHECKED kinds that point at a git directory (the others name commits).
 _LINK_KINDS = frozenset({"gitfile", "gitdir", "commondir"})
+
+
+def _literal_file_dirs(patterns: list[str]) -> dict[str, str]:
+    """The directory of each allowed pattern that is one file's literal path from the root
+    (``src/tax.py``, ``/setup.cfg``: not ``setup.cfg``, which matches at any depth), with the
+    first such pattern there."""
+    out: dict[str, str] = {}
+    for pattern in patterns:
+        body = pattern.lstrip("/")
+        if pattern.startswith("!") or pattern.endswith("/") or any(c in pattern for c in "*?[\\"):
+            continue
+        if "/" not in pattern or not body:
+            continue  # no slash: it matches at any depth, in directories that cannot be listed
+        out.setdefault(body.rpartition("/")[0], pattern)
+    return out
 
 
 def _literal_ancestors(patterns: list[str]) -> frozenset[str]:

@@ -342,6 +342,16 @@ def test_notes_are_capped_in_count_and_length_and_the_snapshot_in_every_list() -
     assert not fs(b, "open", "src/auth/again.ts").allow and len(b.trips) == 11
 
 
+def test_the_state_file_names_the_secret_and_the_protected_paths_with_their_keys() -> None:
+    """The agent reads its scope in .guard/STATE.md (guard status prints it): the protected paths
+    were missing there, and the secrets were called 'forbidden', a key the manifest no longer writes."""
+    protected = 'protected = ["uv.lock", ".github/workflows/"]\n'
+    manifest = parse_manifest(FIX_TAX.replace("forbidden = ", "secret = ") + protected)
+    lines = render_state(Breaker(manifest, WriteAccounting(), now=Clock()).snapshot()).splitlines()
+    assert "- secret, never read nor written (paths.secret): .env*" in lines
+    assert "- read-only, never written (paths.protected): uv.lock, .github/workflows/" in lines
+
+
 def test_agent_text_cannot_forge_the_state_file() -> None:
     b, _ = make()
     odd = os.fsdecode(b"src/checkout/\xff")

@@ -89,6 +89,33 @@ def test_claude_code_in_scope_write_blocked_write_and_refused_shell(tmp_path: Pa
 
 @pytest.mark.root
 @pytest.mark.mount
+def test_claude_code_edits_a_file_allowed_by_name(tmp_path: Path, claude_cli: Path) -> None:
+    """`guard init --allow src/checkout/tax.py`: Claude Code's Edit and Write save through
+    tax.py.tmp.<pid>.<random> beside the file; both land, nothing is refused, nothing trips."""
+    ws, home, manifest = setup(tmp_path)
+    by_name = manifest.read_text().replace('allowed = ["src/checkout/"]', 'allowed = ["src/checkout/tax.py"]')
+    manifest.write_text(by_name)
+    run_dir = tmp_path / "run"
+    tax = str(ws / "src/checkout/tax.py")
+    script = [
+        Turn("Read", {"file_path": tax}),
+        Turn("Edit", {"file_path": tax, "old_string": "    return x\n", "new_string": "    return round(x, 2)\n"}),
+        Turn("Write", {"file_path": tax, "content": "def total(x):\n    return max(0, round(x, 2))\n"}),
+        Turn(text="Fixed."),
+    ]
+    with scripted_model(script) as (url, model):
+        result = run_claude(claude_cli, ws, home, manifest, run_dir, url)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert model.tool_errors() == []
+    assert (ws / "src/checkout/tax.py").read_text() == "def total(x):\n    return max(0, round(x, 2))\n"
+    assert sorted(p.name for p in (ws / "src/checkout").iterdir()) == ["tax.py"]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e for e in events if e["decision"] == "deny"] == []
+    assert json.loads((run_dir / "ledger.json").read_text())["files"]["distinct"] == 1
+
+
+@pytest.mark.root
+@pytest.mark.mount
 def test_claude_code_token_surge_stops_the_run(tmp_path: Path, claude_cli: Path) -> None:
     ws, home, manifest = setup(tmp_path, '[limits]\nmax_window_tokens = 100000\n[breaker]\nrecoverable = []\n')
     run_dir = tmp_path / "run"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import os
 import subprocess
@@ -159,6 +160,33 @@ def test_editor_atomic_save_is_one_rewrite(guarded: Guarded) -> None:
     assert guarded.fs.accounting.files["src/checkout/tax.py"].symbols["rate"] == 3
     assert guarded.fs.accounting.distinct == distinct
     assert target.read_text() == "def rate():\n    return 0.22\n"
+
+
+def test_atomic_save_of_a_file_allowed_by_name(tmp_path: Path) -> None:
+    """`guard init --allow src/checkout/tax.py`: Claude Code's Edit saves through
+    tax.py.tmp.<pid>.<random> beside the file, sed -i through sedXXXXXX; each save lands as a
+    rewrite of the file, with no denial."""
+    (tmp_path / "backing/src/checkout").mkdir(parents=True)
+    (tmp_path / "backing/src/checkout/tax.py").write_text("def rate():\n    return 0.2\n")
+    manifest = '[task]\nid = "t"\ngoal = "g"\n[paths]\nallowed = ["src/checkout/tax.py"]\n'
+    with guarded_mount(tmp_path, manifest) as g:
+        code = g.mnt / "src/checkout"
+        tmp = code / "tax.py.tmp.2.ecec68ffaafd"
+        tmp.write_text("def rate():\n    return 0.21\n")
+        os.rename(tmp, code / "tax.py")
+        assert (g.backing / "src/checkout/tax.py").read_text() == "def rate():\n    return 0.21\n"
+        assert list(g.fs.accounting.files) == ["src/checkout/tax.py"]
+        assert g.fs.accounting.files["src/checkout/tax.py"].rewrites == 1
+        # sed -i saves through sedXXXXXX beside the file, renamed over it.
+        run(["sed", "-i", "s/0.21/0.22/", "tax.py"], code)
+        assert (g.backing / "src/checkout/tax.py").read_text() == "def rate():\n    return 0.22\n"
+        assert list(g.fs.accounting.files) == ["src/checkout/tax.py"]
+        assert g.denials() == []
+        # Any other new name beside it is still out of scope.
+        with pytest.raises(OSError) as err:
+            (code / "other.py").write_text("x = 1\n")
+        assert err.value.errno == errno.EROFS
+    assert sorted(p.name for p in (tmp_path / "backing/src/checkout").iterdir()) == ["tax.py"]
 
 
 def test_data_round_trips_through_the_mount(tmp_path: Path) -> None:

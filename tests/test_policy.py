@@ -221,6 +221,50 @@ def test_a_protected_manifest_of_its_own_is_protected_at_the_root_only() -> None
     assert secret.classify("guard.toml", False).scope is Scope.FORBIDDEN  # a manifest can only narrow
 
 
+SAVE = "paths.allowed (an atomic save's temporary)"
+FILES = PathPolicy(parse_manifest(
+    '[task]\nid = "t"\ngoal = "g"\n[paths]\nallowed = ["src/attr/validators.py", "setup.cfg", "docs/"]\n'
+    'secret = [".env*"]\nprotected = ["docs/conf.py"]\n'))
+
+
+@pytest.mark.parametrize(
+    ("path", "scope", "key", "pattern"),
+    [
+        # Claude Code's Write and Edit save through NAME.tmp.<pid>.<random> beside the file.
+        ("src/attr/validators.py.tmp.2.ecec68ffaafd", Scope.ALLOWED, SAVE, "src/attr/validators.py"),
+        ("setup.cfg.tmp.41.1700000000", Scope.ALLOWED, SAVE, "setup.cfg"),
+        # Beside the file only, and of an allowed file only.
+        ("src/validators.py.tmp.2.ecec", Scope.OUT_OF_SCOPE, "not in paths.allowed", None),
+        ("src/attr/_make.py.tmp.2.ecec", Scope.OUT_OF_SCOPE, "not in paths.allowed", None),
+        # Not a temporary's temporary, nor another name that merely starts like one.
+        ("setup.cfg.tmp.1.tmp.2", Scope.OUT_OF_SCOPE, "not in paths.allowed", None),
+        ("setup.cfg.tmp.", Scope.OUT_OF_SCOPE, "not in paths.allowed", None),
+        ("setup.cfg.bak", Scope.OUT_OF_SCOPE, "not in paths.allowed", None),
+        # A secret's or a protected file's temporary stays what it was.
+        (".env.tmp.1.a", Scope.FORBIDDEN, "paths.secret", ".env*"),
+        ("docs/conf.py.tmp.1.a", Scope.ALLOWED, "paths.allowed", "docs/"),
+        # sed -i's sedXXXXXX: beside a file allowed by its path only (setup.cfg matches at any depth).
+        ("src/attr/sedSHg9OE", Scope.ALLOWED, SAVE, "src/attr/validators.py"),
+        ("src/sedSHg9OE", Scope.OUT_OF_SCOPE, "not in paths.allowed", None),
+        ("sedSHg9OE", Scope.OUT_OF_SCOPE, "not in paths.allowed", None),
+        ("src/attr/sedSHg9OEx", Scope.OUT_OF_SCOPE, "not in paths.allowed", None),
+        ("src/attr/sed-Hg9OE", Scope.OUT_OF_SCOPE, "not in paths.allowed", None),
+    ],
+)
+def test_an_atomic_saves_temporary_beside_an_allowed_file_is_allowed(
+        path: str, scope: Scope, key: str, pattern: str | None) -> None:
+    """With a file allowed by name (`guard init --allow src/attr/validators.py`), the agent's
+    editor must be able to save it: its temporary beside it is in scope (found with the real
+    Claude Code CLI, whose every Edit of such a file tripped scope_spill on the temporary)."""
+    where = FILES.classify(path, False)
+    assert (where.scope, where.key, where.pattern) == (scope, key, pattern)
+
+
+def test_a_directory_named_like_a_save_temporary_is_not_one() -> None:
+    assert FILES.classify("setup.cfg.tmp.1.a", True).scope is Scope.OUT_OF_SCOPE
+    assert FILES.classify("src/attr/sedSHg9OE", True).scope is Scope.OUT_OF_SCOPE
+
+
 def test_allowed_stops_at_a_generated_tree_it_does_not_cover() -> None:
     """'**/*.py' reaches into .venv/ only through its wildcard: site-packages stay out of
     scope (the run's scratch layer), while 'src/' covers its own src/node_modules/."""

@@ -231,6 +231,10 @@ def test_interactive_program_works_through_a_pty(tmp_path: Path) -> None:
     child.close()
     assert child.exitstatus == 0
     assert "hello, agent" in (run_dir / "stdout.log").read_text()
+    # The guard's files in the run directory are 0600, the empty stderr.log of a pty run too.
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in run_dir.iterdir() if p.is_file()}
+    assert set(modes) >= {"stdout.log", "stderr.log", "events.jsonl", "ledger.json"}
+    assert all(mode == 0o600 for mode in modes.values()), modes
 
 
 @pytest.mark.root
@@ -282,6 +286,32 @@ def test_agent_status_env_and_cwd(tmp_path: Path) -> None:
     assert (ws / "src/checkout/tax.py").read_text().endswith("# touched\n")
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert ledger["tokens"]["total"] == 1334
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_a_writable_directory_that_does_not_exist_is_said_at_start(tmp_path: Path) -> None:
+    """`[sandbox] writable = ["~/.npm"]` before npm ever ran: the directory is skipped, and the
+    start banner says so with the fix (it was silent: npm install then failed inside, unexplained)."""
+    ws, manifest = workspace(tmp_path)
+    there, missing = tmp_path / "cache-there", tmp_path / "home/.npm"
+    there.mkdir()
+    manifest.write_text(MANIFEST + f'[sandbox]\nwritable = ["{there}", "{missing}"]\n')
+    script = f"""
+        import os
+        open("{there}/ok", "w").write("x")
+        try:
+            os.makedirs("{missing}")
+        except OSError as err:
+            print("refused", err.strerror, flush=True)
+    """
+    result = guard_run(manifest, ws, tmp_path / "run", script)
+    assert result.returncode == 0, result.stderr
+    assert (there / "ok").read_text() == "x" and not missing.exists()
+    assert "refused" in result.stdout
+    said = [line for line in result.stderr.splitlines() if "[sandbox] writable" in line]
+    assert said == [f"guard: [sandbox] writable names what does not exist, so the agent cannot write there in this "
+                    f"run: {missing} (create it before the run: mkdir -p {missing})"], result.stderr
 
 
 @pytest.mark.root

@@ -49,6 +49,10 @@ def _rollback_lines(rollbacks: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _listed(patterns: list[str]) -> str:
+    return ", ".join(map(md_text, patterns)) or "nothing"
+
+
 def render_state(snap: dict[str, Any]) -> str:
     """STATE.md from a breaker snapshot; every text the agent controls is escaped."""
     files, tokens, scope = snap["files"], snap["tokens"], snap["scope"]
@@ -68,7 +72,8 @@ def render_state(snap: dict[str, Any]) -> str:
         "",
         "## Scope",
         f"- writes allowed in: {', '.join(map(md_text, scope['allowed'])) or 'nowhere (read-only)'}",
-        f"- forbidden (no read, no write): {', '.join(map(md_text, scope['forbidden'])) or 'nothing'}",
+        f"- secret, never read nor written (paths.secret): {_listed(scope['forbidden'])}",
+        f"- read-only, never written (paths.protected): {_listed(scope.get('protected', []))}",
         *(f"- {md_text(inv)}" for inv in scope["invariants"]),
         "",
         "## Budget",

@@ -709,11 +709,17 @@ def _git_masks(opts: RunOptions, git_dirs: Sequence[str]) -> list[str]:
 
 
 def _extra_writable(opts: RunOptions) -> list[Path]:
-    out = []
+    """``[sandbox] writable``'s directories that exist; the start banner names the others, skipped
+    (a cache the agent's tool would make, like ``~/.npm``, stays read-only until it exists)."""
+    out: list[Path] = []
+    missing: list[Path] = []
     for entry in opts.manifest.sandbox.writable:
         path = Path(os.path.expanduser(entry))
-        if path.exists():
-            out.append(path)
+        (out if path.exists() else missing).append(path)
+    if missing:
+        names = printable(" ".join(map(str, missing)))
+        _say(f"[sandbox] writable names what does not exist, so the agent cannot write there in this run: {names} "
+             f"(create it before the run: mkdir -p {names})")
     return out
 
 
@@ -741,7 +747,7 @@ async def _run_agent(
                                                pass_fds=fds)
                 finally:
                     os.close(slave)
-                (logs / "stderr.log").touch()
+                (logs / "stderr.log").touch(mode=0o600)  # as the recorder makes stdout.log
                 nursery.start_soon(_pump_fd, master, outcome.recorder(logs / "stdout.log", echo, cap), daemon,
                                    _Lines(opts.agent, daemon))
                 nursery.start_soon(_forward_stdin, master)
