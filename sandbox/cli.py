@@ -183,14 +183,12 @@ def _parser() -> argparse.ArgumentParser:
                      "after the run ended"),
     ):
         cmd = sub.add_parser(name, help=text, description=text + " (over the control socket in D).")
+        cmd.add_argument("--run-dir", metavar="D", help="the run directory (default: the latest guard run "
+                         "of this workspace: the git top level of the current directory, else the directory)")
         if name == "status":
-            cmd.add_argument("--run-dir", metavar="D", help="the run directory (default: the latest guard run "
-                             "of this workspace: the git top level of the current directory, else the directory)")
             cmd.add_argument("--json", action="store_true", help="print the ledger as JSON")
             cmd.add_argument("--follow", action="store_true", help="print a line per change of the breaker's "
                              "state until the run ends, then its last state; exits 0")
-        else:
-            cmd.add_argument("--run-dir", metavar="D", required=True, help="the run directory of the guard")
         if name == "approve":
             cmd.add_argument("--raise", dest="raise_to", metavar="N", type=int,
                              help="new value for the limit that tripped (must be higher)")
@@ -615,16 +613,19 @@ def _say_rolled_back(run_dir: Path, to: str) -> int:
 
 def _cmd_control(args: argparse.Namespace) -> int:
     from sandbox.breaker.client import GuardClient, GuardClientError, GuardUnreachable, control_socket_path
+    from sandbox.status import latest_run, show_status, this_workspace
 
+    if args.run_dir:
+        run_dir = Path(args.run_dir)
+    else:  # the latest run of the workspace the human stands in, named so no one acts on another by mistake
+        run_dir = latest_run(this_workspace())
+        if args.verb != "status":
+            print(f"guard: run directory {run_dir} (the latest guard run of this workspace)", file=sys.stderr)
     if args.verb == "status":
-        from sandbox.status import latest_run, show_status, this_workspace
-
-        run_dir = Path(args.run_dir) if args.run_dir else latest_run(this_workspace())
         try:
             return show_status(run_dir, as_json=args.json, follow=args.follow, out=sys.stdout)
         except GuardClientError as err:  # the guard answered, and refused the request
             raise type(err)(f"the guard in run directory {run_dir} refused status: {err}") from err
-    run_dir = Path(args.run_dir)
     try:
         with GuardClient(control_socket_path(run_dir)) as guard:
             if args.verb == "approve":

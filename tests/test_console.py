@@ -210,9 +210,11 @@ def test_with_a_terminal_it_freezes_and_status_follows_it_to_the_stop(tmp_path: 
         assert follow.stdout.readline().startswith(f"following the run in {run_dir} ")
         first = follow.stdout.readline()
         assert "OPEN_SCOPE_SPILL: denials 2, trips 2; last trip: scope_spill on NOTES.md at step 0" in first
-        stopped = subprocess.run([*GUARD, "stop", "--run-dir", str(run_dir)], capture_output=True, text=True,
-                                 timeout=60)
+        # guard stop, no --run-dir either, from a subdirectory: the same run, named on stderr.
+        stopped = subprocess.run([*GUARD, "stop"], cwd=ws / "src/checkout/deep", capture_output=True, text=True,
+                                 timeout=60, env=env)
         assert stopped.returncode == 0, stopped.stderr
+        assert f"guard: run directory {run_dir} (the latest guard run of this workspace)" in stopped.stderr
         assert proc.wait(timeout=60) == 75
         rest, _err = follow.communicate(timeout=60)
         assert follow.returncode == 0, _err
