@@ -65,6 +65,9 @@ class Verdict:
     pattern: str | None = None
     errno: int = 0
     reason: str = ""
+    #: The path the verdict is about when it is not the request's own (a rename's or a link's
+    #: destination, the new file a limit counted): a trip is recorded on it. Empty: the request's.
+    path: str = ""
 
 
 ALLOW = Verdict(True)
@@ -82,8 +85,8 @@ class Decider(Protocol):
         ...
 
 
-def _deny(where: Classification, err: int, reason: str) -> Verdict:
-    return Verdict(False, where.key, where.pattern, err, reason)
+def _deny(where: Classification, err: int, reason: str, path: str = "") -> Verdict:
+    return Verdict(False, where.key, where.pattern, err, reason, path)
 
 
 _WRITABLE = frozenset({Scope.ALLOWED, Scope.GIT_INTERNAL, Scope.GENERATED})
@@ -99,6 +102,11 @@ _GUARDED_OPS = frozenset({"rename", "unlink", "chmod", "chown", "utimes"})
 _CHECKED_OPS = frozenset({"create", "open", "rename", "unlink", "chmod", "chown", "utimes"})
 
 
+def _other(path: str, request: Request) -> str:
+    """*path* when a verdict on *request* is about another path than its own (its target)."""
+    return "" if path == request.path else path
+
+
 def policy_verdict(request: Request) -> Verdict:
     """The manifest's and the built-ins' verdict on *request*, before any limit."""
     if request.target is None:  # the common case, decided in one or two comparisons
@@ -110,28 +118,12 @@ def policy_verdict(request: Request) -> Verdict:
         checks.append((request.target, request.target_where))
     for path, where in checks:
         if where.scope is Scope.FORBIDDEN:
-            return _deny(where, ERRNO_FORBIDDEN, f"{path} is forbidden by {where.describe()}")
+            return _deny(where, ERRNO_FORBIDDEN, f"{path} is forbidden by {where.describe()}", _other(path, request))
     if not request.mutating:
         return ALLOW
     for path, where in checks:
-        if where.scope is Scope.GIT_ANCHOR and request.op not in _ANCHOR_OPS:
-            return _deny(where, ERRNO_READ_ONLY,
-                         f"{path} is a repository's {where.pattern} directory: {request.op} refused "
-                         f"({where.describe()}); git would run what it then held")
-        if where.scope is Scope.GIT_GUARDED and request.op not in _GUARDED_OPS:
-            return _deny(where, ERRNO_READ_ONLY,
-                         f"{path} is written only by git (a lock file renamed over it, checked for "
-                         f"settings that run programs): {request.op} refused; use git config")
-        if where.scope is Scope.GIT_CHECKED and request.op not in _CHECKED_OPS:
-            return _deny(where, ERRNO_READ_ONLY,
-                         f"{path} ({where.pattern}) is written only in place by git, each write judged "
-                         f"for what it names: {request.op} refused")
-        if where.scope is Scope.PROTECTED or where.scope is Scope.GIT_CONFIG:
-            return _deny(where, ERRNO_READ_ONLY, f"{path} is read-only: {where.describe()}")
-        if where.scope is Scope.OUT_OF_SCOPE:
-            return _deny(
-                where, ERRNO_READ_ONLY, f"{path} is outside the task's scope ({where.describe()})"
-            )
+        if (reason := _read_only_reason(request.op, path, where)) is not None:
+            return _deny(where, ERRNO_READ_ONLY, reason, _other(path, request))
     # Last: a refusal that trips nothing must never hide one that does at the other end.
     for path, where in checks:
         if where.scope is Scope.GENERATED_OUTSIDE:
@@ -140,8 +132,27 @@ def policy_verdict(request: Request) -> Verdict:
                 f"{path} is generated output ({where.describe()}) outside the task's scope (or Python "
                 "bytecode, in scope too): it is not "
                 "written to the workspace (no trip); point the tool's cache or output inside paths.allowed",
+                _other(path, request),
             )
     return ALLOW
+
+
+def _read_only_reason(op: str, path: str, where: Classification) -> str | None:
+    """Why *op* may not change *path* (None: it may, as far as these rules go)."""
+    if where.scope is Scope.GIT_ANCHOR and op not in _ANCHOR_OPS:
+        return (f"{path} is a repository's {where.pattern} directory: {op} refused "
+                f"({where.describe()}); git would run what it then held")
+    if where.scope is Scope.GIT_GUARDED and op not in _GUARDED_OPS:
+        return (f"{path} is written only by git (a lock file renamed over it, checked for "
+                f"settings that run programs): {op} refused; use git config")
+    if where.scope is Scope.GIT_CHECKED and op not in _CHECKED_OPS:
+        return (f"{path} ({where.pattern}) is written only in place by git, each write judged "
+                f"for what it names: {op} refused")
+    if where.scope is Scope.PROTECTED or where.scope is Scope.GIT_CONFIG:
+        return f"{path} is read-only: {where.describe()}"
+    if where.scope is Scope.OUT_OF_SCOPE:
+        return f"{path} is outside the task's scope ({where.describe()})"
+    return None
 
 
 class LimitsDecider:
@@ -162,6 +173,7 @@ class LimitsDecider:
                 return Verdict(
                     False, "limits.max_files", None, ERRNO_LIMIT,
                     f"{request.new_files[0]} would be distinct file {after} of max_files={max_files}",
+                    _other(request.new_files[0], request),
                 )
         plan = request.rewrite
         if plan is not None and plan.over_returns(self.limits.max_returns):

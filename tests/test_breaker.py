@@ -455,3 +455,17 @@ def test_approve_raises_the_limit_that_tripped_max_returns() -> None:
     versions = [fn("x"), fn("x + 1")]
     assert rewrite(b, "src/checkout/r.py", versions[0], versions[1]).allow  # the refused flip, now within it
     assert len(b.trips) == 1 and b.accounting.files["src/checkout/r.py"].returns == 2
+
+
+def test_a_refused_rename_trips_on_the_path_the_refusal_names() -> None:
+    """sed -i writes its temporary in scope and renames it over a file out of scope: the trip
+    is recorded on the file the reason names, not on the temporary (seen under guard run:
+    "TRIP scope_spill on src/sedpDyb8b" for a refusal of src/auth/jwt.py)."""
+    b, _ = make()
+    temp, target = "src/checkout/sedpDyb8b", "src/auth/jwt.py"
+    verdict = fs(b, "rename", temp, target=target, target_where=b.policy.classify(target, False))
+    assert not verdict.allow and f"guard: refused: {target} is outside the task's scope" in verdict.reason
+    assert (b.trips[-1].rule.value, b.trips[-1].path) == ("scope_spill", target)
+    # A refusal about the request's own path keeps it (the field stays empty).
+    own = fs(b, "rename", target, target=temp, target_where=b.policy.classify(temp, False))
+    assert not own.allow and b.trips[-1].path == target

@@ -238,11 +238,11 @@ class Breaker:
             rule = self._rule_for_denial(request, policy)
             if rule is None:
                 return policy
-            return self._trip(rule, policy.reason, policy, request.path)
+            return self._trip(rule, policy.reason, policy, policy.path or request.path)
         verdict = self._limits_decider.decide(request, policy)
         if not verdict.allow:
             rule = Rule.BLAST_RADIUS if verdict.rule == "limits.max_files" else Rule.OSCILLATION
-            return self._trip(rule, verdict.reason, verdict, request.path)
+            return self._trip(rule, verdict.reason, verdict, verdict.path or request.path)
         if request.mutating:
             # The feedback a trip owes lands on the agent's own next write, never on git's
             # index or ref update (not counted): that would leave git half-done.
