@@ -172,6 +172,7 @@ os.execvp(sys.argv[1], sys.argv[1:])
 
 
 @pytest.mark.root
+@pytest.mark.mount  # /dev/fuse present: the filter alone is what is missing
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the filter's system call numbers are x86_64's")
 def test_under_a_seccomp_filter_like_dockers_default(tmp_path: Path) -> None:
     """Under a filter that refuses new namespaces (Docker's default profile): bubblewrap and

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -190,8 +191,13 @@ def test_actionlint_flags_the_workflow_of_before(tmp_path: Path) -> None:
 
 def _zizmor(*files: Path) -> subprocess.CompletedProcess[str]:
     zizmor = pip_cli(*ZIZMOR_CLI)
-    return subprocess.run([str(zizmor), "--offline", "--no-progress", "--format", "plain", *map(str, files)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    # Plain text: zizmor colours its output when it sees CI set, whatever the terminal (NO_COLOR
+    # asks it not to; the escapes are stripped too, should a version ignore it).
+    env = {**os.environ, "NO_COLOR": "1"}
+    audit = subprocess.run([str(zizmor), "--offline", "--no-progress", "--format", "plain", *map(str, files)],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    audit.stdout = re.sub(r"\x1b\[[0-9;]*m", "", audit.stdout)
+    return audit
 
 
 def test_zizmor_is_clean_on_every_workflow_and_the_action() -> None:

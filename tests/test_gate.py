@@ -66,7 +66,7 @@ def test_constructor_takes_three_positional_arguments_then_keywords(tmp_path: Pa
     assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:3])
     assert [p.name for p in params[3:]] == [
         "decider", "cache_timeout", "state_text", "accounting", "checkpoint_dir", "xattrs", "policy", "gitscope",
-        "scratch_dir"]
+        "scratch_dir", "links"]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[3:])
     with pytest.raises(TypeError):
         GuardFS(str(tmp_path), parse_manifest(MANIFEST), EventLog(None), None)  # type: ignore[call-arg]

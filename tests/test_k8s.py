@@ -415,6 +415,7 @@ DOCTOR_SENTENCE = "Run `guard doctor` to see what this machine lacks and how to 
 
 
 @pytest.mark.root
+@pytest.mark.mount  # the host's /dev/fuse is what the pod is built without (and the pass without it has no unshare)
 def test_without_the_device_guard_says_what_is_missing(reachable: Path) -> None:
     """No device plugin resource, no /dev/fuse: the run does not start and says where to look."""
     result, ws = _guard_run(reachable, POD_CAPS, fuse=False)
