@@ -29,7 +29,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from guardfs.device import Finding, fuse_device, mount_helper
+from guardfs.device import POD_FUSE, Finding, fuse_device, mount_helper
 
 __all__ = ["POINTER", "Check", "Where", "checks", "main", "where"]
 
@@ -72,10 +72,13 @@ class Where:
     def run_option(self, option: str) -> str:
         """The fix that gives the container *option* of its run command (on the host)."""
         if self.runtime == "kubernetes":
-            spec = {"--security-opt seccomp=unconfined": "securityContext.seccompProfile.type: Unconfined",
-                    "--cap-add SYS_ADMIN": "securityContext.capabilities.add: [SYS_ADMIN]",
-                    "--device /dev/fuse --cap-add SYS_ADMIN": "a /dev/fuse device plugin resource and "
-                                                              "securityContext.capabilities.add: [SYS_ADMIN]"}
+            spec = {"--security-opt seccomp=unconfined": "securityContext.seccompProfile: {type: Unconfined}",
+                    "--device /dev/fuse": POD_FUSE,
+                    "--device /dev/fuse --cap-add SYS_ADMIN": f"{POD_FUSE}; and securityContext.capabilities.add: "
+                                                              "[SYS_ADMIN]"}
+            if re.fullmatch(r"(?:--cap-add \w+ ?)+", option):
+                return "in the pod spec: securityContext.capabilities.add: [" + \
+                    ", ".join(re.findall(r"--cap-add (\w+)", option)) + "]"
             return f"in the pod spec: {spec.get(option, option)}"
         if self.runtime is None:  # a filter the process that started guard installed
             return f"start guard without the seccomp filter it runs under (Seccomp_filters: {self.seccomp_filters})"
@@ -104,11 +107,13 @@ def where() -> Where:
     seccomp = (int(mode[1]) if mode else 0, int(filters[1]) if filters else 0)
     cgroup = _read("/proc/1/cgroup") or ""
     found: tuple[str, str] | None = None
-    if os.path.exists("/run/.containerenv"):
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):  # first: a pod's runtime may leave /.dockerenv too
+        found = ("kubernetes", "KUBERNETES_SERVICE_HOST is set")
+    elif os.path.exists("/run/.containerenv"):
         found = ("podman", "/run/.containerenv")
     elif os.path.exists("/.dockerenv"):
         found = ("docker", "/.dockerenv")
-    elif os.environ.get("KUBERNETES_SERVICE_HOST") or os.path.isdir("/var/run/secrets/kubernetes.io"):
+    elif os.path.isdir("/var/run/secrets/kubernetes.io"):
         found = ("kubernetes", "a Kubernetes service account")
     elif (hit := re.search(r"(docker|kubepods|libpod|lxc)", cgroup)) is not None:
         found = ({"kubepods": "kubernetes", "libpod": "podman"}.get(hit[1], hit[1]), f"/proc/1/cgroup names {hit[1]}")
@@ -167,8 +172,9 @@ def _from(name: str, finding: Finding) -> Check:
 
 
 def _fuse(at: Where) -> Check:
-    return _from("/dev/fuse", fuse_device(at.run_option("--device /dev/fuse --cap-add SYS_ADMIN")
-                                          if at.runtime is not None else None))
+    inside = at.runtime is not None
+    return _from("/dev/fuse", fuse_device(at.run_option("--device /dev/fuse --cap-add SYS_ADMIN") if inside else None,
+                                          at.run_option("--device /dev/fuse") if inside else None))
 
 
 def _bubblewrap(at: Where) -> Check:

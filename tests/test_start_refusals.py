@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,3 +70,62 @@ def test_an_ambient_capability_does_not_stop_bubblewrap(installation: str, reach
     assert (ws / "src/checkout/tax.py").read_text().endswith("# ok\n")
     assert "CapAmb:\t0000000000000000" in (reachable / "run/stdout.log").read_text()
     assert POINTER not in run.stderr and "Traceback" not in run.stderr
+
+
+DEVICES_V1 = Path("/sys/fs/cgroup/devices")
+
+
+@pytest.fixture
+def fuse_denied() -> Iterator[tuple[str, ...]]:
+    """A command prefix that runs its command in a devices cgroup denying the FUSE device (c
+    10:229): what a container started without --device /dev/fuse is in, a bind-mounted node or
+    a Kubernetes hostPath volume of /dev/fuse notwithstanding."""
+    if not (DEVICES_V1 / "devices.deny").exists():
+        pytest.skip("no cgroup v1 devices controller here (cgroup v2 denies devices with a BPF program)")
+    group = Path(tempfile.mkdtemp(prefix="guardfs-no-fuse-", dir=DEVICES_V1))
+    try:
+        (group / "devices.deny").write_text("c 10:229 rwm\n")
+        yield ("sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "in-cgroup")
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            os.kill(int(pid), 9)
+        os.rmdir(group)
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("kubernetes", [False, True], ids=["container", "pod"])
+def test_dev_fuse_refused_by_the_devices_cgroup(fuse_denied: tuple[str, ...], tmp_path: Path,
+                                                kubernetes: bool) -> None:
+    """/dev/fuse there, mode 0666, yet EPERM as root: doctor and guard run name the devices
+    cgroup and the real fix (--device /dev/fuse; in a pod, a device plugin's resource), not the mode."""
+    from guardfs.device import POD_FUSE
+    from sandbox.doctor import where
+
+    probe = subprocess.run([*fuse_denied, "python3", "-c", "import os; os.open('/dev/fuse', os.O_RDWR)"],
+                           capture_output=True, text=True)
+    assert "PermissionError: [Errno 1] Operation not permitted" in probe.stderr, probe.stderr  # really refused
+    env = {**os.environ, **({"KUBERNETES_SERVICE_HOST": "10.96.0.1"} if kubernetes else {})}
+    if not kubernetes:
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+    doctor = subprocess.run([*fuse_denied, sys.executable, "-m", "sandbox", "doctor", "--json"], capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert doctor.returncode == 69, doctor.stderr
+    fuse = {c["name"]: c for c in json.loads(doctor.stdout)}["/dev/fuse"]
+    assert fuse["status"] == "MISSING" and "the devices cgroup does not allow the FUSE device" in fuse["detail"], fuse
+    assert "chmod" not in str(fuse["fix"])
+    runtime = where().runtime
+    if kubernetes:
+        assert fuse["fix"] == f"in the pod spec: {POD_FUSE}", fuse
+    elif runtime is not None:
+        assert str(fuse["fix"]).endswith(" run --device /dev/fuse ... (the container's run command, on the host)"), fuse
+    else:
+        assert str(fuse["fix"]).startswith("echo 'c 10:229 rwm' > /sys/fs/cgroup/devices/guardfs-no-fuse-"), fuse
+    ws, manifest = _workspace(tmp_path)
+    run = subprocess.run([*fuse_denied, sys.executable, "-m", "sandbox", "run", "--manifest", str(manifest),
+                          "--run-dir", str(tmp_path / "run"), "--", "true"], cwd=ws, capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert run.returncode == 69, run.stderr
+    assert "the devices cgroup does not allow the FUSE device here, not its mode" in run.stderr
+    assert ("squat.ai/fuse" in run.stderr) == kubernetes and "chmod" not in run.stderr
+    assert run.stderr.rstrip("\n").endswith(POINTER)
+    assert not (tmp_path / "run").exists()
