@@ -129,3 +129,60 @@ def test_dev_fuse_refused_by_the_devices_cgroup(fuse_denied: tuple[str, ...], tm
     assert ("squat.ai/fuse" in run.stderr) == kubernetes and "chmod" not in run.stderr
     assert run.stderr.rstrip("\n").endswith(POINTER)
     assert not (tmp_path / "run").exists()
+
+
+# --- a root guard without a capability its run needs ------------------------------------------
+
+ROOT_AGENT_CAPS = ["SYS_ADMIN", "DAC_OVERRIDE"]
+#: The --user of each case (tests/test_k8s.py's AGENT_USER), or none: the agent is root.
+AGENT_USER_OR_NONE = {True: "nobody", False: None}
+
+
+def _pod_run(base: Path, caps: list[str], user: bool, agent: str) -> subprocess.CompletedProcess[str]:
+    from .test_k8s import AGENT_USER, in_pod
+    from .test_k8s import _workspace as pod_workspace
+
+    ws, manifest = pod_workspace(base)
+    if not user:
+        subprocess.run(["chown", "-R", "0:0", str(ws)], check=True)
+    return in_pod([sys.executable, "-m", "sandbox", "run", "--ci", *(("--user", AGENT_USER) if user else ()),
+                   "--manifest", str(manifest), "--run-dir", str(base / "run"), "--", "sh", "-c", agent],
+                  caps=caps, fuse=True, cwd=ws)
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_a_root_agent_needs_sys_admin_and_dac_override_only(reachable: Path) -> None:
+    """The set guard asks of a root guard whose agent is root works: no capability more is needed."""
+    result = _pod_run(reachable, ROOT_AGENT_CAPS, user=False, agent="id -u; echo '# ok' >> src/checkout/tax.py")
+    assert result.returncode == 0, result.stderr
+    assert (reachable / "run/stdout.log").read_text() == "0\n"
+    assert (reachable / "ws/src/checkout/tax.py").read_text().endswith("# ok\n")
+
+
+def _pod_caps() -> list[str]:
+    from .test_k8s import POD_CAPS
+
+    return POD_CAPS
+
+
+@pytest.mark.root
+@pytest.mark.mount
+@pytest.mark.parametrize(("user", "dropped"), [(False, cap) for cap in ROOT_AGENT_CAPS] +
+                         [(True, cap) for cap in ["SYS_ADMIN", "DAC_OVERRIDE", "SETUID", "SETGID", "CHOWN",
+                                                   "FOWNER", "KILL"]],
+                         ids=lambda v: {True: "user", False: "root"}.get(v, v) if isinstance(v, bool) else v)
+def test_a_missing_capability_is_refused_at_start(reachable: Path, user: bool, dropped: str) -> None:
+    """Each capability the run needs, taken away: guard run refuses before the agent starts (69),
+    naming it and what needs it, with the pointer to guard doctor; no traceback, no exit 70."""
+    from sandbox.launch.capabilities import needed
+
+    assert set(needed(AGENT_USER_OR_NONE[user])) == set(_pod_caps() if user else ROOT_AGENT_CAPS)
+    caps = [cap for cap in (_pod_caps() if user else ROOT_AGENT_CAPS) if cap != dropped]
+    result = _pod_run(reachable, caps, user=user, agent="echo agent-ran")
+    assert result.returncode == 69, result.stderr
+    assert f"CAP_{dropped} ({needed(AGENT_USER_OR_NONE[user])[dropped]})" in result.stderr, result.stderr
+    assert f"--cap-add {dropped}" in result.stderr and f"capabilities.add: [{dropped}]" in result.stderr
+    assert result.stderr.rstrip("\n").endswith(POINTER), result.stderr
+    assert "Traceback" not in result.stderr and "internal error" not in result.stderr
+    assert not (reachable / "run/stdout.log").exists()  # the agent never started
