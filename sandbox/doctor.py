@@ -26,6 +26,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -232,6 +233,34 @@ def _mount_namespaces(at: Where) -> Check:
     return Check(name, "ok", f"uid {os.geteuid()} made one" + ("" if root else " (in a user namespace)"))
 
 
+def _capabilities(at: Where) -> Check:
+    from sandbox.launch.capabilities import FOR_ANY_ROOT_RUN, FOR_USER, missing, own
+
+    name = "capabilities"
+    if os.geteuid() != 0:
+        ambient = re.search(r"^CapAmb:\s*([0-9a-f]+)", _read("/proc/self/status") or "", re.M)
+        said = f" (its ambient ones, {ambient[1]}, are cleared before bubblewrap starts)" \
+            if ambient and int(ambient[1], 16) else ""
+        return Check(name, "ok", f"uid {os.geteuid()}: a guard that is not root needs none{said}")
+    lacking = missing("--user")
+
+    def fix(names: Iterable[str]) -> str:
+        if at.runtime is None:
+            return ("start guard from a process that has them (not under setpriv --bounding-set, capsh --drop "
+                    "or a service's CapabilityBoundingSet=)")
+        return at.run_option(" ".join(f"--cap-add {n}" for n in names))
+
+    listed = ", ".join(f"CAP_{n} ({why})" for n, why in lacking.items())
+    if any(n in FOR_ANY_ROOT_RUN for n in lacking):
+        return Check(name, "MISSING", f"uid 0 lacks {listed}; guard run as root needs "
+                     f"{', '.join('CAP_' + n for n in FOR_ANY_ROOT_RUN)}", fix(lacking))
+    if lacking:
+        return Check(name, "warn", f"uid 0 lacks {listed}: guard run as root works, guard run --user does not; "
+                     f"the fix: {fix(lacking)}")
+    every = [n for n in (*FOR_ANY_ROOT_RUN, *FOR_USER) if own().has(n)]
+    return Check(name, "ok", f"uid 0 has {', '.join('CAP_' + n for n in every)} (all guard run --user needs)")
+
+
 def _kernel_release() -> tuple[int, int] | None:
     found = re.match(r"(\d+)\.(\d+)", platform.release())
     return (int(found[1]), int(found[2])) if found else None
@@ -329,7 +358,7 @@ def checks() -> list[Check]:
     """Every check, in the order ``guard doctor`` prints them."""
     at = where()
     return [_fuse(at), _from("fusermount3", mount_helper()), _bubblewrap(at), _user_namespaces(at),
-            _mount_namespaces(at), _landlock(at), _seccomp(at), _kernel(), _container(at)]
+            _mount_namespaces(at), _capabilities(at), _landlock(at), _seccomp(at), _kernel(), _container(at)]
 
 
 def main(as_json: bool = False) -> int:

@@ -38,15 +38,15 @@ CAPABILITY_BITS = {"CHOWN": 0, "DAC_OVERRIDE": 1, "FOWNER": 3, "KILL": 5, "SETGI
 #: What a root guard needs for any run, and what for.
 FOR_ANY_ROOT_RUN = {
     "SYS_ADMIN": "the guard's private mount namespace, the FUSE mount and the sandbox's namespaces",
-    "DAC_OVERRIDE": "the run directory (mode 000, so that no sandbox can enter it)",
+    "DAC_OVERRIDE": "the run directory, mode 000 so that no sandbox can enter it",
 }
 #: What it needs besides for ``guard run --user``.
 FOR_USER = {
     "SETUID": "starting the agent as the --user",
     "SETGID": "starting the agent in the --user's groups",
     "CHOWN": "giving the --user what it makes through the mount",
-    "FOWNER": "the --user's chmod and touch through the mount (the guard changes its files)",
-    "KILL": "stopping the agent (a process of the --user) at a trip",
+    "FOWNER": "the --user's chmod and touch through the mount, done by the guard on its files",
+    "KILL": "stopping the agent, a process of the --user, at a trip",
 }
 
 
