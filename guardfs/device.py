@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import stat
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["FUSE_DEVICE", "POD_FUSE", "Finding", "fuse_device", "mount_helper"]
+__all__ = ["FUSE_DEVICE", "POD_FUSE", "Finding", "fuse_device", "mount_capability", "mount_helper"]
 
 FUSE_DEVICE = "/dev/fuse"
 #: The FUSE device's numbers (Documentation/admin-guide/devices.txt: misc 229).
@@ -123,6 +124,27 @@ def _mount_point(path: str) -> str:
     while not os.path.ismount(path):
         path = os.path.dirname(path)
     return path
+
+
+#: CAP_SYS_ADMIN's number (linux/capability.h).
+_CAP_SYS_ADMIN = 21
+
+
+def mount_capability() -> Finding:
+    """As root, CAP_SYS_ADMIN in the effective set (/proc/self/status CapEff): root mounts
+    directly with it, and without it fusermount3 (libfuse's fallback) is refused too."""
+    if os.geteuid() != 0:
+        return Finding("ok", "not root: mounts through fusermount3")
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            found = re.search(r"^CapEff:\s*([0-9a-f]+)$", f.read(), re.M)
+    except OSError:
+        found = None
+    if found is None or int(found[1], 16) >> _CAP_SYS_ADMIN & 1:
+        return Finding("ok", "root with CAP_SYS_ADMIN")
+    return Finding("MISSING", "guard runs as root without CAP_SYS_ADMIN, which the FUSE mount needs",
+                   "a container needs --cap-add SYS_ADMIN in its run command, a Kubernetes pod "
+                   "securityContext.capabilities.add: [SYS_ADMIN]", "docker run --cap-add SYS_ADMIN ...")
 
 
 def mount_helper() -> Finding:

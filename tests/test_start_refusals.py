@@ -186,3 +186,18 @@ def test_a_missing_capability_is_refused_at_start(reachable: Path, user: bool, d
     assert result.stderr.rstrip("\n").endswith(POINTER), result.stderr
     assert "Traceback" not in result.stderr and "internal error" not in result.stderr
     assert not (reachable / "run/stdout.log").exists()  # the agent never started
+
+
+@pytest.mark.root
+def test_guard_mount_as_root_without_sys_admin(tmp_path: Path) -> None:
+    """guard mount as root without CAP_SYS_ADMIN: refused naming it, with the pointer (not
+    fusermount3's "mount failed" and a guess about the mountpoint)."""
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "mnt").mkdir()
+    proc = subprocess.run(["setpriv", "--bounding-set=-sys_admin", "--", sys.executable, "-m", "sandbox", "mount",
+                           str(tmp_path / "ws"), str(tmp_path / "mnt")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 69, proc.stderr
+    assert proc.stderr.startswith("guard mount: guard runs as root without CAP_SYS_ADMIN, which the FUSE mount needs; "
+                                  "a container needs --cap-add SYS_ADMIN"), proc.stderr
+    assert proc.stderr.rstrip("\n").endswith(POINTER)
+    assert str(tmp_path / "mnt") not in Path("/proc/mounts").read_text()
