@@ -19,7 +19,7 @@ from types import FrameType
 import pyfuse3
 import trio
 
-from guardfs.device import fuse_device, mount_helper
+from guardfs.device import fuse_device, mount_capability, mount_helper
 from guardfs.errors import MountError, UsageError
 from guardfs.fs import GuardFS
 
@@ -58,7 +58,7 @@ _MOUNT_HINT = ("; check that the mountpoint is a directory you may mount on and 
 def check_fuse_available() -> None:
     """Raise MountError saying what is missing when FUSE cannot work here (:mod:`guardfs.device`:
     the findings ``guard doctor`` shows)."""
-    for finding in (fuse_device(), mount_helper()):
+    for finding in (fuse_device(), mount_helper(), mount_capability()):
         if finding.status == "MISSING":
             raise MountError(finding.message)
 

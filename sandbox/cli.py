@@ -703,8 +703,45 @@ def _refuse_nested(verb: str) -> None:
         )
 
 
+#: What guard exits with when the reader of its standard output went away (``guard schema | head``):
+#: 128 + SIGPIPE, the status of every tool a shell's pipeline cuts short (``yes | head``), so that
+#: ``set -o pipefail`` sees guard as it sees them. Not 0: what guard printed was cut short.
+EXIT_PIPE = 141
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe (or socket) whose reader is gone: poll says POLLERR."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _fd, events in poller.poll(0))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``guard``; returns the exit status."""
+    """Run ``guard``; returns the exit status. A reader of its output that went away is no bug
+    in guard: what is left unprinted is dropped, as Python's documentation recommends (devnull
+    over stdout, so that the flush at exit fails no more), and guard exits :data:`EXIT_PIPE`."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # here, not at exit: a reader gone shows up as BrokenPipeError now
+    except BrokenPipeError:
+        if not _stdout_gone():  # another pipe (a socket to a guard): a bug after all
+            log.exception("internal error (a bug in guard: please report it with this traceback)")
+            return Exit.SOFTWARE
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
@@ -759,7 +796,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(f"guard {args.verb}: {err}", file=sys.stderr)
         return int(err.exit_code)
-    except Exception:
+    except Exception as err:
+        if isinstance(err, BrokenPipeError) and _stdout_gone():
+            raise  # main's: not a bug
         log.exception("internal error (a bug in guard: please report it with this traceback)")
         return Exit.SOFTWARE
 

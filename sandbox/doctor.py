@@ -26,10 +26,11 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from guardfs.device import Finding, fuse_device, mount_helper
+from guardfs.device import POD_FUSE, Finding, fuse_device, mount_helper
 
 __all__ = ["POINTER", "Check", "Where", "checks", "main", "where"]
 
@@ -72,10 +73,13 @@ class Where:
     def run_option(self, option: str) -> str:
         """The fix that gives the container *option* of its run command (on the host)."""
         if self.runtime == "kubernetes":
-            spec = {"--security-opt seccomp=unconfined": "securityContext.seccompProfile.type: Unconfined",
-                    "--cap-add SYS_ADMIN": "securityContext.capabilities.add: [SYS_ADMIN]",
-                    "--device /dev/fuse --cap-add SYS_ADMIN": "a /dev/fuse device plugin resource and "
-                                                              "securityContext.capabilities.add: [SYS_ADMIN]"}
+            spec = {"--security-opt seccomp=unconfined": "securityContext.seccompProfile: {type: Unconfined}",
+                    "--device /dev/fuse": POD_FUSE,
+                    "--device /dev/fuse --cap-add SYS_ADMIN": f"{POD_FUSE}; and securityContext.capabilities.add: "
+                                                              "[SYS_ADMIN]"}
+            if re.fullmatch(r"(?:--cap-add \w+ ?)+", option):
+                return "in the pod spec: securityContext.capabilities.add: [" + \
+                    ", ".join(re.findall(r"--cap-add (\w+)", option)) + "]"
             return f"in the pod spec: {spec.get(option, option)}"
         if self.runtime is None:  # a filter the process that started guard installed
             return f"start guard without the seccomp filter it runs under (Seccomp_filters: {self.seccomp_filters})"
@@ -104,11 +108,13 @@ def where() -> Where:
     seccomp = (int(mode[1]) if mode else 0, int(filters[1]) if filters else 0)
     cgroup = _read("/proc/1/cgroup") or ""
     found: tuple[str, str] | None = None
-    if os.path.exists("/run/.containerenv"):
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):  # first: a pod's runtime may leave /.dockerenv too
+        found = ("kubernetes", "KUBERNETES_SERVICE_HOST is set")
+    elif os.path.exists("/run/.containerenv"):
         found = ("podman", "/run/.containerenv")
     elif os.path.exists("/.dockerenv"):
         found = ("docker", "/.dockerenv")
-    elif os.environ.get("KUBERNETES_SERVICE_HOST") or os.path.isdir("/var/run/secrets/kubernetes.io"):
+    elif os.path.isdir("/var/run/secrets/kubernetes.io"):
         found = ("kubernetes", "a Kubernetes service account")
     elif (hit := re.search(r"(docker|kubepods|libpod|lxc)", cgroup)) is not None:
         found = ({"kubepods": "kubernetes", "libpod": "podman"}.get(hit[1], hit[1]), f"/proc/1/cgroup names {hit[1]}")
@@ -167,8 +173,9 @@ def _from(name: str, finding: Finding) -> Check:
 
 
 def _fuse(at: Where) -> Check:
-    return _from("/dev/fuse", fuse_device(at.run_option("--device /dev/fuse --cap-add SYS_ADMIN")
-                                          if at.runtime is not None else None))
+    inside = at.runtime is not None
+    return _from("/dev/fuse", fuse_device(at.run_option("--device /dev/fuse --cap-add SYS_ADMIN") if inside else None,
+                                          at.run_option("--device /dev/fuse") if inside else None))
 
 
 def _bubblewrap(at: Where) -> Check:
@@ -224,6 +231,34 @@ def _mount_namespaces(at: Where) -> Check:
         return Check(name, "MISSING", f"uid {os.geteuid()} cannot make one ({failed}); the guard's mount and the "
                      "sandbox live in one", _namespace_fix(at, unprivileged=not root))
     return Check(name, "ok", f"uid {os.geteuid()} made one" + ("" if root else " (in a user namespace)"))
+
+
+def _capabilities(at: Where) -> Check:
+    from sandbox.launch.capabilities import FOR_ANY_ROOT_RUN, FOR_USER, missing, own
+
+    name = "capabilities"
+    if os.geteuid() != 0:
+        ambient = re.search(r"^CapAmb:\s*([0-9a-f]+)", _read("/proc/self/status") or "", re.M)
+        said = f" (its ambient ones, {ambient[1]}, are cleared before bubblewrap starts)" \
+            if ambient and int(ambient[1], 16) else ""
+        return Check(name, "ok", f"uid {os.geteuid()}: a guard that is not root needs none{said}")
+    lacking = missing("--user")
+
+    def fix(names: Iterable[str]) -> str:
+        if at.runtime is None:
+            return ("start guard from a process that has them (not under setpriv --bounding-set, capsh --drop "
+                    "or a service's CapabilityBoundingSet=)")
+        return at.run_option(" ".join(f"--cap-add {n}" for n in names))
+
+    listed = ", ".join(f"CAP_{n} ({why})" for n, why in lacking.items())
+    if any(n in FOR_ANY_ROOT_RUN for n in lacking):
+        return Check(name, "MISSING", f"uid 0 lacks {listed}; guard run as root needs "
+                     f"{', '.join('CAP_' + n for n in FOR_ANY_ROOT_RUN)}", fix(lacking))
+    if lacking:
+        return Check(name, "warn", f"uid 0 lacks {listed}: guard run as root works, guard run --user does not; "
+                     f"the fix: {fix(lacking)}")
+    every = [n for n in (*FOR_ANY_ROOT_RUN, *FOR_USER) if own().has(n)]
+    return Check(name, "ok", f"uid 0 has {', '.join('CAP_' + n for n in every)} (all guard run --user needs)")
 
 
 def _kernel_release() -> tuple[int, int] | None:
@@ -323,7 +358,7 @@ def checks() -> list[Check]:
     """Every check, in the order ``guard doctor`` prints them."""
     at = where()
     return [_fuse(at), _from("fusermount3", mount_helper()), _bubblewrap(at), _user_namespaces(at),
-            _mount_namespaces(at), _landlock(at), _seccomp(at), _kernel(), _container(at)]
+            _mount_namespaces(at), _capabilities(at), _landlock(at), _seccomp(at), _kernel(), _container(at)]
 
 
 def main(as_json: bool = False) -> int:

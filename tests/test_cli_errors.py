@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -248,3 +249,37 @@ def test_a_default_run_directory_leaves_room_for_its_control_socket(tmp_path: Pa
     assert run_dir.parent == base and len(kept) > 8 and "add-tag-count-to-taggit-utils-with-a".startswith(kept), run_dir
     assert default_run_dir("fix-tax", base).name.endswith(f"-fix-tax-{os.getpid()}")  # short ids whole
 
+
+
+@pytest.mark.parametrize(("args", "status"), [(["schema"], 141), (["doctor", "--json"], 141), (["schema", "--help"], 0),
+                                              (["--version"], 0)], ids=["schema", "doctor", "help", "version"])
+def test_a_reader_gone_is_no_bug_in_guard(args: list[str], status: int) -> None:
+    """``guard schema | head``: stdout is a pipe whose reader closed. Not "internal error" and
+    70 with a traceback: 141 (128 + SIGPIPE, as the shell's own tools), nothing on stderr.
+    argparse's own --help and --version swallow the write's error themselves and exit 0."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before guard writes its first byte
+    try:
+        proc = subprocess.run([sys.executable, "-m", "sandbox", *args], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (status, ""), proc.stderr
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_still_a_bug() -> None:
+    """The 141 is for stdout alone: a BrokenPipeError elsewhere (a socket) stays an internal error."""
+    code = textwrap.dedent("""
+        import socket, sys
+        import sandbox.cli as cli
+        def broken(args):
+            a, b = socket.socketpair()
+            b.close()
+            a.sendall(b"x" * 100000)
+            return 0
+        cli._cmd_schema = broken
+        sys.exit(cli.main(["schema"]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 70, proc.stderr
+    assert "internal error (a bug in guard" in proc.stderr and "BrokenPipeError" in proc.stderr

@@ -21,7 +21,7 @@ from sandbox.doctor import POINTER
 
 from .helpers import require
 
-NAMES = ["/dev/fuse", "fusermount3", "bubblewrap", "user namespaces", "mount namespaces", "landlock",
+NAMES = ["/dev/fuse", "fusermount3", "bubblewrap", "user namespaces", "mount namespaces", "capabilities", "landlock",
          "seccomp user notification", "kernel", "container"]
 GUARD = [sys.executable, "-m", "sandbox"]
 IN_CONTAINER = os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv")
@@ -82,7 +82,7 @@ def test_everything_guard_needs_is_here() -> None:
     status, checks = _doctor()
     assert status == 0
     assert {name: c["status"] for name, c in checks.items() if name not in ("kernel", "container")} == \
-        dict.fromkeys(NAMES[:7], "ok"), checks
+        dict.fromkeys(NAMES[:8], "ok"), checks
     assert checks["/dev/fuse"]["detail"] == "character device 10,229, mode 0666, opened read-write as uid 0"
     assert f"ABI {int(str(checks['landlock']['detail']).split()[1])}" in str(checks["landlock"]["detail"])
     assert platform.release() in str(checks["kernel"]["detail"])
@@ -186,6 +186,7 @@ def test_under_a_seccomp_filter_like_dockers_default(tmp_path: Path) -> None:
     assert "cannot make the sandbox here" in str(checks["bubblewrap"]["detail"])
     assert checks["user namespaces"]["status"] == "warn"  # root needs none; --user would
     assert checks["landlock"]["status"] == checks["seccomp user notification"]["status"] == "ok"
+    assert checks["capabilities"]["status"] == "ok"  # a filter takes no capability away
     assert "Seccomp: 2, Seccomp_filters: 1" in str(checks["container"]["detail"])
     assert checks["container"]["status"] == "warn"
     for name in ("bubblewrap", "mount namespaces"):
@@ -219,3 +220,33 @@ def test_as_a_user_other_than_root(installation: str) -> None:
     assert (checks["user namespaces"]["status"], checks["user namespaces"]["detail"]) == ("ok", "uid 65534 made one")
     assert checks["mount namespaces"]["detail"] == "uid 65534 made one (in a user namespace)"
     assert checks["bubblewrap"]["status"] == checks["seccomp user notification"]["status"] == "ok"
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("kubernetes", [False, True], ids=["here", "pod"])
+def test_capabilities_taken_away(kubernetes: bool) -> None:
+    """As root without CAP_SYS_ADMIN (setpriv --bounding-set): capabilities MISSING with the fix
+    (--cap-add; in a pod securityContext.capabilities.add); without only CAP_KILL and CAP_FOWNER,
+    which guard run --user alone needs: a warning naming them."""
+    env = {**os.environ, **({"KUBERNETES_SERVICE_HOST": "10.96.0.1"} if kubernetes else {})}
+    if not kubernetes:
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+    status, checks = _doctor(("setpriv", "--bounding-set=-sys_admin", "--"), env=env)
+    assert status == 69
+    caps = checks["capabilities"]
+    assert caps["status"] == "MISSING" and str(caps["detail"]).startswith("uid 0 lacks CAP_SYS_ADMIN ("), caps
+    assert "CAP_DAC_OVERRIDE (" not in str(caps["detail"])  # only what is missing is named
+    if kubernetes:
+        assert caps["fix"] == "in the pod spec: securityContext.capabilities.add: [SYS_ADMIN]"
+    elif IN_CONTAINER:
+        assert str(caps["fix"]).endswith(" run --cap-add SYS_ADMIN ... (the container's run command, on the host)")
+    else:
+        assert str(caps["fix"]).startswith("start guard from a process that has them")
+    status, checks = _doctor(("setpriv", "--bounding-set=-kill,-fowner", "--"), env=env)
+    caps = checks["capabilities"]
+    assert caps["status"] == "warn", caps
+    assert "lacks CAP_FOWNER (" in str(caps["detail"]) and ", CAP_KILL (" in str(caps["detail"])
+    assert "guard run as root works, guard run --user does not" in str(caps["detail"])
+    if kubernetes:
+        assert str(caps["detail"]).endswith("the fix: in the pod spec: securityContext.capabilities.add: "
+                                            "[FOWNER, KILL]")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import pwd
 import shutil
@@ -44,7 +45,8 @@ from sandbox.launch.landlock import LandlockUnavailable, abi_version
 
 __all__ = [
     "MAX_ETC_MASKS", "NAMESPACES", "SANDBOX_RUN_DIR", "HostMasks", "Isolation", "IsolationUnavailable",
-    "bind_read_only", "bwrap_argv", "host_secrets", "mount_tmpfs", "private_mount_namespace", "probe", "reachable_by",
+    "bind_read_only", "bwrap_argv", "clear_ambient_capabilities", "host_secrets", "mount_tmpfs",
+    "private_mount_namespace", "probe", "reachable_by",
     "system_entry", "try_sandbox", "unbind", "visible_secrets",
 ]
 
@@ -58,6 +60,7 @@ HIDDEN_TREES = ("/root", "/home", "/var/lib/guardfs")
 MAX_ETC_MASKS = 256
 
 _CLONE_NEWNS = 0x00020000
+_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 _MS_RDONLY = 1
 _MS_NOSUID = 2
 _MS_NODEV = 4
@@ -86,10 +89,29 @@ class Isolation:
 NAMESPACES = ("--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try")
 
 
+def clear_ambient_capabilities() -> None:
+    """Not root: empty this process's ambient capability set, so that nothing it starts from now
+    on (bubblewrap above all) inherits a capability. Podman gives a container whose own user is
+    not root CAP_SYS_ADMIN as an ambient capability; bubblewrap, not setuid and not root, then
+    refuses to start ("Unexpected capabilities but not setuid"). Done in the guard itself (not
+    between fork and exec: the guard forks from threads); its own sets keep what they have, and
+    it needs none of them: unprivileged, it mounts through fusermount3. Root is left alone."""
+    if os.geteuid() == 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0:  # EINVAL: a kernel before 4.3
+        err = ctypes.get_errno()
+        if err != errno.EINVAL:
+            raise OSError(err, f"prctl(PR_CAP_AMBIENT_CLEAR_ALL): {os.strerror(err)}")
+
+
 def try_sandbox(bwrap: str, user: str | None = None) -> str | None:
     """Start bubblewrap as a run starts it (the namespaces, the read-only host, a fresh /dev,
     /proc and /tmp; as *user*, through setpriv, like ``guard run --user``) running ``true``:
-    None when it could, else bubblewrap's own words (no user namespace, no mount namespace)."""
+    None when it could, else bubblewrap's own words (no user namespace, no mount namespace).
+    First the ambient capabilities go (:func:`clear_ambient_capabilities`): every run and
+    ``guard doctor`` try the sandbox before they start bubblewrap for real."""
+    clear_ambient_capabilities()
     prefix = []
     if user is not None:
         pw = pwd.getpwnam(user)

@@ -48,6 +48,7 @@ from sandbox.breaker.client import control_socket_path
 from sandbox.breaker.daemon import SOCKET_PATH_MAX, Daemon
 from sandbox.breaker.ledger import write_ledger
 from sandbox.exitcodes import Exit
+from sandbox.launch.capabilities import require as require_capabilities
 from sandbox.launch.console import LiveConsole
 from sandbox.launch.facts import diff_stat, record_end, record_start
 from sandbox.launch.inject import MidRunBinder
@@ -311,12 +312,15 @@ def _stage(opts: RunOptions) -> tuple[Path, bool]:
 
 def _sandbox_tool(opts: RunOptions) -> str | None:
     """bubblewrap's path; None (said aloud) with --no-isolation. Raises IsolationUnavailable,
-    which the CLI turns into 69."""
+    which the CLI turns into 69. First, as root, the capabilities the run needs
+    (sandbox.launch.capabilities): without one, the run would fail midway, the agent started."""
     if opts.isolation:
+        require_capabilities(opts.user)
         return probe(opts.user).bwrap
     if opts.manifest.sandbox.network == "none":
         raise UsageError('[sandbox] network = "none" needs the sandbox (its own network namespace); '
                          "drop --no-isolation, or set network = \"host\"")
+    require_capabilities(opts.user)
     _say("WARNING: --no-isolation: the agent runs unsandboxed; it can write anywhere its user can, "
          "and reach the real workspace; only the mount's own rules apply to what goes through it")
     return None
