@@ -93,6 +93,7 @@ def fuse_denied() -> Iterator[tuple[str, ...]]:
 
 
 @pytest.mark.root
+@pytest.mark.mount  # the host's /dev/fuse, which the devices cgroup then refuses
 @pytest.mark.parametrize("kubernetes", [False, True], ids=["container", "pod"])
 def test_dev_fuse_refused_by_the_devices_cgroup(fuse_denied: tuple[str, ...], tmp_path: Path,
                                                 kubernetes: bool) -> None:
@@ -189,6 +190,7 @@ def test_a_missing_capability_is_refused_at_start(reachable: Path, user: bool, d
 
 
 @pytest.mark.root
+@pytest.mark.mount  # guard mount reaches the mount itself only where /dev/fuse is
 def test_guard_mount_as_root_without_sys_admin(tmp_path: Path) -> None:
     """guard mount as root without CAP_SYS_ADMIN: refused naming it, with the pointer (not
     fusermount3's "mount failed" and a guess about the mountpoint)."""
