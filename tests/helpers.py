@@ -297,3 +297,17 @@ def dir_chain(top: Path, depth: int, name: str = "d") -> int:
         os.close(fd)
         raise
     return fd
+
+
+def assert_container_checks(result: subprocess.CompletedProcess[str], expected: list[str]) -> None:
+    """A container script's ``CHECK name ok|FAIL detail`` lines (containers/test-image.sh,
+    test-feature.sh): every expected check reported, each ok, and the script's exit 0."""
+    checks: dict[str, str] = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("CHECK "):
+            _, name, verdict = [*line.split(" ", 2), ""][:3]
+            checks[name] = verdict
+    failed = {name: verdict for name, verdict in checks.items() if verdict != "ok"}
+    missing = [name for name in expected if name not in checks]
+    assert not failed and not missing, (failed, missing, result.stderr[-3000:])
+    assert result.returncode == 0, result.stderr[-3000:]

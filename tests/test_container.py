@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from .helpers import assert_container_checks
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: Every check the script must report, by name: a check that silently went missing fails.
@@ -38,15 +40,7 @@ EXPECTED = ["image-build", "podman-guard-demo", "devcontainer-up"] + [
 def test_image_and_devcontainer() -> None:
     result = subprocess.run(["bash", str(ROOT / "containers/test-image.sh")], capture_output=True, text=True,
                             timeout=1500, stdin=subprocess.DEVNULL)
-    checks: dict[str, str] = {}
-    for line in result.stdout.splitlines():
-        if line.startswith("CHECK "):
-            _, name, verdict = [*line.split(" ", 2), ""][:3]
-            checks[name] = verdict
-    failed = {name: verdict for name, verdict in checks.items() if verdict != "ok"}
-    missing = [name for name in EXPECTED if name not in checks]
-    assert not failed and not missing, (failed, missing, result.stderr[-3000:])
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_container_checks(result, EXPECTED)
 
 
 @pytest.mark.root

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from .helpers import assert_container_checks
+
 ROOT = Path(__file__).resolve().parent.parent
 FEATURE = ROOT / "features/src/guardfs"
 
@@ -42,15 +44,7 @@ EXPECTED = [
 def test_feature_in_a_user_repository() -> None:
     result = subprocess.run(["bash", str(ROOT / "containers/test-feature.sh")], capture_output=True, text=True,
                             timeout=1500, stdin=subprocess.DEVNULL, env={**os.environ, "PYTHON": sys.executable})
-    checks: dict[str, str] = {}
-    for line in result.stdout.splitlines():
-        if line.startswith("CHECK "):
-            _, name, verdict = [*line.split(" ", 2), ""][:3]
-            checks[name] = verdict
-    failed = {name: verdict for name, verdict in checks.items() if verdict != "ok"}
-    missing = [name for name in EXPECTED if name not in checks]
-    assert not failed and not missing, (failed, missing, result.stderr[-3000:])
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_container_checks(result, EXPECTED)
 
 
 def test_feature_metadata() -> None:
