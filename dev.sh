@@ -111,7 +111,8 @@ ci() {
         "$VENV/bin/pytest" -q -p no:cacheprovider -m "not mount" -n "$workers" --dist loadfile --no-loadscope-reorder \
         --basetemp="$(mktemp -d)"
     say "pytest, the whole suite, on $workers workers"
-    "$VENV/bin/pytest" -n "$workers" --dist loadfile --no-loadscope-reorder || status=$?
+    # --durations: what the suite's time goes to, printed at the end of every CI log.
+    "$VENV/bin/pytest" -n "$workers" --dist loadfile --no-loadscope-reorder --durations=30 || status=$?
     wait "$fetch" || true
     trap - EXIT
     [ -s "$fetch_log" ] && say "fetching the agent CLIs said: $(cat "$fetch_log")"

@@ -17,13 +17,17 @@ import re
 import shutil
 import subprocess
 import tarfile
+import tempfile
 import textwrap
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from guardfs.harvest import remove_tree
 
 from .helpers import CLI_CACHE, FIX_TAX, FORBIDDEN_TERMINAL
 
@@ -279,10 +283,21 @@ class Guarded:
 
 
 @pytest.fixture(scope="module")
-def guarded(action_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Guarded:
+def guarded(action_path: Path) -> Iterator[Guarded]:
     """The action run with a scripted agent that writes in and out of scope, in
-    working-directory src/checkout, the run directory uploaded."""
-    tmp = tmp_path_factory.mktemp("guarded")
+    working-directory src/checkout, the run directory uploaded.
+
+    The runner's directories are on the host's disk, as GitHub's /home/runner/work is, not
+    under /tmp, where pytest's base temp usually is: the sandbox has a /tmp of its own, in
+    which the agent would find no script and would write the runner's files unrefused."""
+    tmp = Path(tempfile.mkdtemp(prefix="guardfs-action-", dir="/var/tmp"))
+    try:
+        yield _guarded(action_path, tmp)
+    finally:
+        remove_tree(tmp)
+
+
+def _guarded(action_path: Path, tmp: Path) -> Guarded:
     ws = _sample_repository(tmp)
     agent = tmp / "agent.py"
     agent.write_text(textwrap.dedent(AGENT))

@@ -307,8 +307,9 @@ def test_a_writable_directory_that_does_not_exist_is_said_at_start(tmp_path: Pat
     """
     result = guard_run(manifest, ws, tmp_path / "run", script)
     assert result.returncode == 0, result.stderr
+    # Nothing the agent did reached the host there (refused on a read-only host path; under /tmp,
+    # where pytest's base temp usually is, it lands in the sandbox's own /tmp instead).
     assert (there / "ok").read_text() == "x" and not missing.exists()
-    assert "refused" in result.stdout
     said = [line for line in result.stderr.splitlines() if "[sandbox] writable" in line]
     assert said == [f"guard: [sandbox] writable names what does not exist, so the agent cannot write there in this "
                     f"run: {missing} (create it before the run: mkdir -p {missing})"], result.stderr
